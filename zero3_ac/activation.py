@@ -1,0 +1,96 @@
+"""Installing the fork into DeepSpeed's ZeRO-3 classes, and taking it out again.
+
+The fork replaces methods on upstream classes, so it covers every engine created while it is
+active. Engines created before :func:`apply` keep stock hooks (their module hooks are already
+registered); engines created while it was active keep the fork's hooks after :func:`remove`.
+"""
+
+import os
+import threading
+
+from zero3_ac import version_guard
+
+DISABLE_ENV = "ZERO3_AC_DISABLE"
+
+_lock = threading.Lock()
+_originals = {}
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def is_active() -> bool:
+    return bool(_originals)
+
+
+def _patches():
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from zero3_ac.runtime.zero import parameter_offload as fork
+
+    def _register_deepspeed_module(self, module, count=[0]):
+        fork.register_deepspeed_module(self, module)
+
+    def partition_all_parameters(self):
+        return fork.partition_all_parameters(self, _originals[(DeepSpeedZeRoOffload, "partition_all_parameters")])
+
+    patches = [
+        (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
+        (DeepSpeedZeRoOffload, "partition_all_parameters", partition_all_parameters),
+    ]
+    if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
+
+        def release_backward_leftovers(self):
+            return fork.release_backward_leftovers(
+                self, _originals[(DeepSpeedZeRoOffload, "release_backward_leftovers")])
+
+        patches.append((DeepSpeedZeRoOffload, "release_backward_leftovers", release_backward_leftovers))
+    return patches
+
+
+def _existing_engines() -> int:
+    from deepspeed.runtime.zero import parameter_offload
+    return len(parameter_offload.FWD_MODULE_STACK)
+
+
+def apply() -> None:
+    """Install the per-invocation lifecycle into DeepSpeed's ZeRO-3 engine. Idempotent."""
+    version = version_guard.check_supported()
+    from deepspeed.utils import logger
+    with _lock:
+        if _originals:
+            return
+        patches = _patches()
+        for owner, name, replacement in patches:
+            _originals[(owner, name)] = owner.__dict__[name]
+        for owner, name, replacement in patches:
+            setattr(owner, name, replacement)
+        existing = _existing_engines()
+    if existing:
+        logger.warning(f"zero3_ac: applied to deepspeed {version} after {existing} ZeRO-3 engine(s) were created; "
+                       "those keep stock behaviour, engines created from now on use the per-invocation lifecycle.")
+    else:
+        logger.info(f"zero3_ac: per-invocation ZeRO-3 lifecycle active on deepspeed {version}")
+
+
+def remove() -> None:
+    """Restore DeepSpeed's own methods exactly. Engines created meanwhile keep the fork's hooks."""
+    with _lock:
+        for (owner, name), original in _originals.items():
+            setattr(owner, name, original)
+        _originals.clear()
+
+
+def auto_apply() -> None:
+    """Called when DeepSpeed is imported in a process where the package is installed."""
+    if disabled_by_env():
+        return
+    version = version_guard.installed_deepspeed_version()
+    from deepspeed.utils import logger
+    if not version_guard.is_supported(version):
+        logger.warning(version_guard.unsupported_message(version) + " zero3_ac left DeepSpeed unchanged.")
+        return
+    try:
+        apply()
+    except Exception as error:  # never break ``import deepspeed``
+        logger.warning(f"zero3_ac: could not apply the lifecycle, DeepSpeed runs stock: {error!r}")

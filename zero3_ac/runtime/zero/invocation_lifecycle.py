@@ -1,0 +1,341 @@
+"""The per-invocation parameter lifecycle of ZeRO-3: who holds a gathered param, and when it may go.
+
+This module is pure: it imports neither torch nor DeepSpeed. It sees modules and params as opaque
+hashable keys and is driven by the adapters in ``parameter_offload.py`` and
+``partitioned_param_coordinator.py``, which translate ZeRO-3 module hooks into the events below.
+
+Note: [Invocations and holds]
+    Every firing of a module's forward hooks is one *invocation*, with a unique negative id and a
+    phase: FORWARD (outside any backward), RECOMPUTE (a forward that runs inside a backward graph
+    task, i.e. an activation-checkpoint recompute) or BACKWARD (one module call's backward). A
+    gathered param is *held* by the live invocations that need it; it may be released only when
+    it has no holder. Ids are negative so they can share ``param.ds_active_sub_modules`` with the
+    non-negative module ``ds_id`` values that stock DeepSpeed code puts there.
+
+Note: [Backward slots and the ownership map]
+    A forward invocation whose outputs require grad creates a BACKWARD invocation in state PENDING:
+    the *slot* for that call's backward. It opens when the call's first output gradient arrives and
+    closes when its last input gradient has been produced. A RECOMPUTE invocation does not release
+    its params when its forward ends: it hands its holds to the slot that consumes its activations
+    (the ownership map below), and they are released when that slot closes. For a *replay*
+    recompute (non-reentrant checkpoint: the recomputed tensors feed the original graph) that slot
+    is the newest unclosed, unmatched slot of the same module from the original forward. For a
+    reentrant recompute (its own graph is backpropagated) it is the slot the recompute created
+    itself. A recompute with no consumer (its outputs need no grad) releases at its forward end.
+
+Note: [Aborted forwards]
+    A forward whose post-hook never runs (checkpoint early stop raises inside the recompute, or an
+    exception) leaves its invocation on the call stack. Any backward event proves that no forward
+    is running any more, so the next one *reaps* such invocations: it closes them as their
+    post-hook would have. The next root forward and the end of every backward graph task *drain*
+    whatever is still held; a drain that finds anything is a bug the lifecycle should not have.
+"""
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Set, Tuple
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class Invocation:
+    id: int
+    module: Hashable
+    phase: Phase
+    state: State
+    replay: bool = False
+    holds: Set[Hashable] = field(default_factory=set)
+    matched: bool = False
+    stack_depth: int = -1
+    context: object = None  # the driver's own data for this invocation; opaque here
+
+    def __repr__(self):
+        return f"Invocation({self.id}, {self.module!r}, {self.phase.value}, {self.state.value})"
+
+
+@dataclass
+class DrainReport:
+    """What a drain found: invocations still live and params they were the last holders of."""
+    invocations: int = 0
+    params: List[Hashable] = field(default_factory=list)
+
+
+class InvocationLifecycle:
+    """State machine of invocations and the params they hold.
+
+    ``numel`` gives a param's full size; it is used only for the live-parameter budget.
+    ``frozen`` tells whether a param needs no grad: a frozen param handed off by the recompute
+    that is still running is never evicted (torch's checkpoint still checks its shape).
+    Methods that can free params return them; the caller releases those it may release.
+    """
+
+    def __init__(self,
+                 numel: Callable[[Hashable], int] = lambda param: 1,
+                 frozen: Callable[[Hashable], bool] = lambda param: False,
+                 holder_set: Optional[Callable[[Hashable], Set[int]]] = None,
+                 max_handoff_numel: Optional[int] = None):
+        self._numel = numel
+        self._frozen = frozen
+        self.max_handoff_numel = max_handoff_numel
+        self._ids = itertools.count(1)
+        self._live: Dict[int, Invocation] = {}
+        # Where a param's holder ids live: by default here; the ZeRO-3 adapter passes
+        # ``param.ds_active_sub_modules``, so that stock release checks see the holds too.
+        own_sets: Dict[Hashable, Set[int]] = {}
+        self._holder_set = holder_set or (lambda param: own_sets.setdefault(param, set()))
+        self._held: Set[Hashable] = set()
+        self._call_stack: List[Invocation] = []
+        self._slots_by_module: Dict[Hashable, List[Invocation]] = {}
+        # (slot id, param) -> recompute batch, in hand-off order: the eviction queue.
+        self._handoffs: Dict[Tuple[int, Hashable], int] = {}
+        self._batch = 0
+        self._recompute_since_backward = False
+
+    # ------------------------------------------------------------------ queries
+    def holders(self, param: Hashable) -> Set[int]:
+        return set(self._holder_set(param)) if param in self._held else set()
+
+    def is_held(self, param: Hashable) -> bool:
+        return param in self._held
+
+    def live(self) -> List[Invocation]:
+        return list(self._live.values())
+
+    @property
+    def call_stack(self) -> List[Invocation]:
+        return list(self._call_stack)
+
+    def innermost_forward(self, module: Hashable) -> Optional[Invocation]:
+        """The newest forward invocation of ``module`` still on the call stack."""
+        for inv in reversed(self._call_stack):
+            if inv.module is module:
+                return inv
+        return None
+
+    def pending_slots(self, module: Hashable) -> List[Invocation]:
+        return [s for s in self._slots_by_module.get(module, ()) if s.state is not State.CLOSED]
+
+    def size(self) -> Dict[str, int]:
+        """Bookkeeping sizes, for leak checks: all zero once a step has drained."""
+        return {
+            "invocations": len(self._live),
+            "held_params": len(self._held),
+            "call_stack": len(self._call_stack),
+            "slot_modules": len(self._slots_by_module),
+            "handoffs": len(self._handoffs),
+        }
+
+    # ------------------------------------------------------------------ forward side
+    def open_forward(self,
+                     module: Hashable,
+                     in_backward: bool,
+                     replay: bool = False,
+                     stack_depth: int = -1) -> Invocation:
+        """A module's forward pre-hook fired. ``in_backward``: it runs inside a backward graph task.
+
+        ``stack_depth`` is opaque to the lifecycle: the caller's own call-stack depth, kept on the
+        invocation so that the caller can unwind its stack when the invocation is reaped.
+        """
+        if replay and not in_backward:
+            raise ValueError("a replay recompute runs inside a backward")
+        phase = Phase.RECOMPUTE if in_backward else Phase.FORWARD
+        if in_backward:
+            self._recompute_since_backward = True
+        inv = self._new(module, phase, State.OPEN, replay=replay)
+        inv.stack_depth = stack_depth
+        self._call_stack.append(inv)
+        return inv
+
+    def new_slot(self, module: Hashable) -> Invocation:
+        """The backward invocation of one forward call whose outputs require grad."""
+        slot = self._new(module, Phase.BACKWARD, State.PENDING)
+        self._slots_by_module.setdefault(module, []).append(slot)
+        return slot
+
+    def hold(self, inv: Invocation, params: Iterable[Hashable]) -> None:
+        if inv.state is State.CLOSED:
+            raise ValueError(f"{inv} is closed and cannot hold params")
+        for param in params:
+            inv.holds.add(param)
+            self._holder_set(param).add(inv.id)
+            self._held.add(param)
+
+    def close_forward(self, inv: Invocation, own_slot: Optional[Invocation] = None) -> List[Hashable]:
+        """A forward post-hook fired. ``own_slot`` is the slot this call created (if any).
+
+        Returns the params this invocation was the last holder of.
+        """
+        if inv.phase is Phase.BACKWARD:
+            raise ValueError(f"{inv} is not a forward invocation")
+        if inv.state is State.CLOSED:
+            return []
+        freed = self._pop_call_stack_to(inv)
+        freed.extend(self._retire_forward(inv, own_slot))
+        return freed
+
+    # ------------------------------------------------------------------ backward side
+    def open_backward(self, slot: Invocation) -> List[Hashable]:
+        """The first output gradient of the slot's call arrived. Reaps aborted forwards first."""
+        freed = self.reap_aborted()
+        if slot.state is State.PENDING:
+            slot.state = State.OPEN
+        return freed
+
+    def close_backward(self, slot: Invocation) -> List[Hashable]:
+        """The slot's call has produced its input gradients: release what it holds."""
+        freed = self.reap_aborted()
+        if slot.state is State.CLOSED:
+            return freed
+        freed.extend(self._retire(slot))
+        return freed
+
+    def reap_aborted(self) -> List[Hashable]:
+        """Close forward invocations whose post-hook never ran (see [Aborted forwards])."""
+        freed: List[Hashable] = []
+        while self._call_stack:
+            freed.extend(self._retire_forward(self._call_stack.pop(), None))
+        if self._recompute_since_backward:
+            self._recompute_since_backward = False
+            self._batch += 1
+        return freed
+
+    def drain(self) -> DrainReport:
+        """Retire every live invocation (end of a backward graph task, or a new root forward)."""
+        report = DrainReport()
+        self._call_stack.clear()
+        for inv in list(self._live.values()):
+            report.invocations += 1
+            report.params.extend(self._retire(inv))
+        self._slots_by_module.clear()
+        self._handoffs.clear()
+        self._recompute_since_backward = False
+        return report
+
+    # ------------------------------------------------------------------ budget
+    def handoff_numel(self) -> int:
+        """Size of the distinct params kept alive only by hand-offs to slots not yet opened."""
+        return sum(self._numel(p) for p in self._handoff_only_params())
+
+    def evict_over_budget(self) -> List[Hashable]:
+        """Drop the oldest hand-offs while their size exceeds the budget.
+
+        Hand-offs of the recompute batch still running that hold a frozen param are never
+        dropped: the checkpoint compares the recomputed tensors, that param among them, when the
+        recompute ends. An evicted param is gathered again by its slot when that opens.
+        """
+        if self.max_handoff_numel is None:
+            return []
+        freed: List[Hashable] = []
+        over = self.handoff_numel() - self.max_handoff_numel
+        for (slot_id, param), batch in list(self._handoffs.items()):
+            if over <= 0:
+                break
+            if batch == self._batch and self._recompute_since_backward and self._frozen(param):
+                continue
+            slot = self._live.get(slot_id)
+            if slot is None or slot.state is not State.PENDING:
+                continue
+            del self._handoffs[(slot_id, param)]
+            slot.holds.discard(param)
+            if self._unhold(slot.id, param):
+                freed.append(param)
+                over -= self._numel(param)
+        return freed
+
+    # ------------------------------------------------------------------ internals
+    def _new(self, module, phase, state, replay=False) -> Invocation:
+        inv = Invocation(id=-next(self._ids), module=module, phase=phase, state=state, replay=replay)
+        self._live[inv.id] = inv
+        return inv
+
+    def _pop_call_stack_to(self, inv: Invocation) -> List[Hashable]:
+        """Pop ``inv`` off the call stack, retiring anything above it (aborted inner forwards)."""
+        freed: List[Hashable] = []
+        if inv not in self._call_stack:
+            return freed
+        while self._call_stack:
+            top = self._call_stack.pop()
+            if top is inv:
+                break
+            freed.extend(self._retire_forward(top, None))
+        return freed
+
+    def _retire_forward(self, inv: Invocation, own_slot: Optional[Invocation]) -> List[Hashable]:
+        if inv.state is State.CLOSED:
+            return []
+        consumer = self._consumer_of(inv, own_slot)
+        if consumer is None:
+            return self._retire(inv)
+        self._hand_off(inv, consumer)
+        return []
+
+    def _consumer_of(self, inv: Invocation, own_slot: Optional[Invocation]) -> Optional[Invocation]:
+        if inv.phase is not Phase.RECOMPUTE:
+            return None
+        if not inv.replay:
+            return own_slot if own_slot is not None and own_slot.state is not State.CLOSED else None
+        for slot in reversed(self._slots_by_module.get(inv.module, ())):
+            if slot.state is not State.CLOSED and not slot.matched:
+                slot.matched = True
+                return slot
+        return None
+
+    def _hand_off(self, inv: Invocation, slot: Invocation) -> None:
+        for param in inv.holds:
+            holders = self._holder_set(param)
+            holders.discard(inv.id)
+            holders.add(slot.id)
+            if param not in slot.holds:
+                slot.holds.add(param)
+                self._handoffs[(slot.id, param)] = self._batch
+        inv.holds = set()
+        inv.state = State.CLOSED
+        del self._live[inv.id]
+
+    def _retire(self, inv: Invocation) -> List[Hashable]:
+        freed = [param for param in inv.holds if self._unhold(inv.id, param)]
+        for param in inv.holds:
+            self._handoffs.pop((inv.id, param), None)
+        inv.holds = set()
+        inv.state = State.CLOSED
+        self._live.pop(inv.id, None)
+        if inv.phase is Phase.BACKWARD:
+            slots = self._slots_by_module.get(inv.module)
+            if slots is not None:
+                slots[:] = [s for s in slots if s.state is not State.CLOSED]
+                if not slots:
+                    del self._slots_by_module[inv.module]
+        return freed
+
+    def _unhold(self, inv_id: int, param: Hashable) -> bool:
+        """Remove one hold; True if the param has no holder left."""
+        if param not in self._held:
+            return False
+        holders = self._holder_set(param)
+        holders.discard(inv_id)
+        if holders:
+            return False
+        self._held.discard(param)
+        return True
+
+    def _handoff_only_params(self) -> Set[Hashable]:
+        params = set()
+        for (slot_id, param) in self._handoffs:
+            slot = self._live.get(slot_id)
+            if slot is None or slot.state is not State.PENDING:
+                continue
+            if all(self._live[h].state is State.PENDING for h in self.holders(param) if h in self._live):
+                params.add(param)
+        return params

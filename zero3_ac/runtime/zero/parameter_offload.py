@@ -1,0 +1,298 @@
+"""ZeRO-3 module hooks with one invocation per firing.
+
+Replaces upstream ``DeepSpeedZeRoOffload._register_deepspeed_module`` (the four hooks on every
+module), ``release_backward_leftovers`` (0.19.3+) and extends ``partition_all_parameters``. The
+gathering itself still goes through upstream's ``pre_sub_module_forward_function`` and
+``pre_sub_module_backward_function``; releasing goes through the lifecycle only.
+
+Note: [When a call's backward starts and ends]
+    Each forward call whose outputs require grad gets a backward slot (see invocation_lifecycle).
+    - It opens in the backward of an identity Function wrapped around each output: autograd runs
+      it before any node of the call's own backward, because those nodes consume its gradient.
+    - It closes when the call's input gradients are done: every grad-requiring input goes through
+      an identity Function of its own, so that its gradient is this call's alone (an input shared
+      with other modules would otherwise wait for them too), and a multi-grad hook in "all" mode
+      fires once the gradients that this graph task will compute for them are computed. Inputs
+      whose gradient the task never computes are skipped by the hook, not waited for.
+    - A call with no grad-requiring input (a LoRA adapter fed a frozen layer's output) has no
+      input gradient to wait for: its backward is done when the trainable params under the module
+      have their gradients accumulated, and a post-accumulate-grad hook closes it then.
+    Upstream counts inputs per module (``ds_grads_remaining``), which a second call of the module
+    or a checkpoint recompute resets in the middle of a backward.
+
+Note: [The end of a backward]
+    The first lifecycle event of a backward queues a callback on that graph task; it drains the
+    lifecycle when the task ends. Nested graph tasks (reentrant checkpointing runs one per region)
+    queue nothing: draining there would drop slots the outer backward has not reached yet.
+"""
+
+import itertools
+
+import torch
+from deepspeed.runtime.zero import parameter_offload as upstream
+from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
+from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
+from deepspeed.utils import logger, z3_leaf_module
+
+from zero3_ac.runtime.zero import autograd_context
+from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
+from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams
+
+LIFECYCLE_ATTR = "_zero3_ac_hooks"
+
+
+def lifecycle_hooks(offload):
+    """The fork's hooks object of a ``DeepSpeedZeRoOffload``, or None for a stock one."""
+    return offload.__dict__.get(LIFECYCLE_ATTR)
+
+
+class _OpenSlotOnGrad(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hooks, slot, tensor):
+        ctx.hooks = hooks
+        ctx.slot = slot
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hooks.open_slot(ctx.slot)
+        return None, None, grad
+
+
+class _GradBoundary(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _InputBoundary:
+    """The grad-requiring inputs of one forward call, and the slot they close once it exists."""
+    __slots__ = ("tensors", "slot")
+
+    def __init__(self):
+        self.tensors = []
+        self.slot = None
+
+    def wrap(self, tensor):
+        if not tensor.requires_grad:
+            return tensor
+        wrapped = _GradBoundary.apply(tensor)
+        self.tensors.append(wrapped)
+        return wrapped
+
+
+def _top_level_tensors(output):
+    if output is None:
+        return []
+    if torch.is_tensor(output):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [item for item in output if torch.is_tensor(item)]
+    items = output if isinstance(output, dict) else vars(output)
+    return [value for key, value in items.items() if not key.startswith("__") and torch.is_tensor(value)]
+
+
+def _any_requires_grad(value) -> bool:
+    found = []
+    apply_to_tensors_only(lambda tensor: found.append(tensor.requires_grad) or tensor, value)
+    return any(found)
+
+
+class ModuleInvocationHooks:
+    """The per-invocation ZeRO-3 hooks of one engine (one ``DeepSpeedZeRoOffload``)."""
+
+    def __init__(self, offload):
+        self.offload = offload
+        self.params = InvocationParams(offload.get_param_coordinator(),
+                                       max_handoff_numel=offload._max_available_parameters_in_numel)
+        self.lifecycle = self.params.lifecycle
+        self.accounting = self.params.accounting
+        self._backward_task = None
+        self._slots_awaiting_grad = {}
+        self._grad_hooked = set()
+
+    # ------------------------------------------------------------------ registration
+    def register(self, root):
+        """Give every module a ds_id and the fork's hooks (replaces ``_register_deepspeed_module``)."""
+        if root is self.offload.module:
+            coordinator = self.offload.get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
+        ids = itertools.count()
+        stack = [root]
+        while stack:
+            module = stack.pop()
+            module.ds_id = next(ids)
+            if z3_leaf_module(module):
+                for param in module.parameters():
+                    param.ds_z3_leaf_module = module
+            else:
+                stack.extend(reversed(list(module.children())))
+            self._register_hooks(module)
+
+    def _register_hooks(self, module):
+        offload = self.offload
+        offload.forward_hooks.append(module.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
+        offload.forward_hooks.append(module.register_forward_hook(self.post_forward))
+        for param in module.parameters(recurse=False):
+            if param.requires_grad and param not in self._grad_hooked:
+                self._grad_hooked.add(param)
+                offload.backward_hooks.append(param.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    # ------------------------------------------------------------------ forward hooks
+    def pre_forward(self, module, args, kwargs):
+        in_backward = autograd_context.in_backward()
+        if in_backward:
+            self._enter_backward()
+        elif module is self.offload.module and not self.lifecycle.call_stack:
+            self.start_root_forward()
+        replay = in_backward and autograd_context.is_replay_recompute()
+        invocation = self.lifecycle.open_forward(module,
+                                                 in_backward,
+                                                 replay=replay,
+                                                 stack_depth=len(upstream.FWD_MODULE_STACK))
+        self.params.phase = Phase.RECOMPUTE.value if in_backward else Phase.FORWARD.value
+        self.offload.pre_sub_module_forward_function(module)
+        self.params.hold(module, invocation)
+        if replay or not torch.is_grad_enabled():
+            return None
+        boundary = _InputBoundary()
+        args = apply_to_tensors_only(boundary.wrap, args)
+        kwargs = apply_to_tensors_only(boundary.wrap, kwargs)
+        if not boundary.tensors:
+            return None
+        invocation.context = boundary
+        torch.autograd.graph.register_multi_grad_hook(boundary.tensors,
+                                                      lambda grads: boundary.slot and self.close_slot(boundary.slot),
+                                                      mode="all")
+        return args, kwargs
+
+    def post_forward(self, module, args, output):
+        invocation = self.lifecycle.innermost_forward(module)
+        if invocation is None:
+            return None
+        del upstream.FWD_MODULE_STACK[invocation.stack_depth:]
+        self._register_external_outputs(module, output)
+        slot = None
+        if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
+            slot = self._new_slot(module, invocation.context)
+            output = apply_to_tensors_only(
+                lambda tensor: _OpenSlotOnGrad.apply(self, slot, tensor) if tensor.requires_grad else tensor, output)
+        self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
+        if invocation.phase is Phase.RECOMPUTE:
+            self.params.evict_over_budget()
+        return output
+
+    def _new_slot(self, module, boundary):
+        slot = self.lifecycle.new_slot(module)
+        if boundary is not None:
+            boundary.slot = slot
+            return slot
+        trainable = {param for param in module.parameters() if param.requires_grad}
+        if trainable:
+            slot.context = trainable
+            for param in trainable:
+                self._slots_awaiting_grad.setdefault(param, []).append(slot)
+        return slot
+
+    def _register_external_outputs(self, module, output):
+        """Params a module returns are external to it: its caller owns them (upstream's rule)."""
+        stack = upstream.FWD_MODULE_STACK
+        for tensor in _top_level_tensors(output):
+            if not (is_zero_param(tensor) or hasattr(tensor, "ds_param_alias")):
+                continue
+            param = tensor if hasattr(tensor, "ds_id") else tensor.ds_param_alias
+            if any(id(param) in outer._external_params for outer in stack):
+                continue
+            param.is_external_param = True
+            register_external_parameter(stack[-1], param)
+            if id(param) in module._external_params:
+                unregister_external_parameter(module, param)
+            param.all_gather()
+
+    # ------------------------------------------------------------------ backward events
+    def open_slot(self, slot):
+        if slot.state is not State.PENDING:
+            return
+        self._enter_backward()
+        self._reap()
+        self.lifecycle.open_backward(slot)
+        self.params.phase = Phase.BACKWARD.value
+        self.offload.pre_sub_module_backward_function(slot.module)
+        self.params.hold(slot.module, slot)
+        self.params.evict_over_budget()
+
+    def close_slot(self, slot):
+        if slot.state is State.CLOSED:
+            return
+        self._reap()
+        self.params.release(self.lifecycle.close_backward(slot), slot.module)
+
+    def _on_param_grad(self, param):
+        slots = self._slots_awaiting_grad.pop(param, None)
+        for slot in slots or ():
+            slot.context.discard(param)
+            if not slot.context:
+                self.close_slot(slot)
+
+    def _reap(self):
+        """Close forwards that never reached their post-hook, and unwind upstream's module stack."""
+        call_stack = self.lifecycle.call_stack
+        if call_stack:
+            del upstream.FWD_MODULE_STACK[call_stack[0].stack_depth:]
+        self.params.release(self.lifecycle.reap_aborted())
+
+    def _enter_backward(self):
+        if self._backward_task is None:
+            self._backward_task = autograd_context.graph_task_id()
+            autograd_context.queue_end_of_backward_callback(self.end_of_backward)
+
+    # ------------------------------------------------------------------ step boundaries
+    def end_of_backward(self):
+        self._backward_task = None
+        self._drain("end of backward")
+
+    def start_root_forward(self):
+        self._backward_task = None
+        self._drain("start of forward")
+        self.accounting.start_step()
+
+    def _drain(self, where):
+        self._reap()
+        self._slots_awaiting_grad.clear()
+        before = self.accounting.total_drained_params + self.accounting.total_swept_params
+        self.params.drain(self.offload.module)
+        found = self.accounting.total_drained_params + self.accounting.total_swept_params - before
+        if found:
+            logger.debug(f"zero3_ac: drain at {where} released {found} params still gathered")
+
+
+def register_deepspeed_module(offload, module, count=None):
+    """Replacement of ``DeepSpeedZeRoOffload._register_deepspeed_module``."""
+    hooks = lifecycle_hooks(offload)
+    if hooks is None:
+        hooks = ModuleInvocationHooks(offload)
+        offload.__dict__[LIFECYCLE_ATTR] = hooks
+    hooks.register(module)
+
+
+def release_backward_leftovers(offload, stock):
+    """Replacement of ``DeepSpeedZeRoOffload.release_backward_leftovers`` (0.19.3+)."""
+    hooks = lifecycle_hooks(offload)
+    if hooks is None:
+        return stock(offload)
+    hooks.end_of_backward()
+
+
+def partition_all_parameters(offload, stock):
+    """Extends ``DeepSpeedZeRoOffload.partition_all_parameters``: forget every hold first."""
+    hooks = lifecycle_hooks(offload)
+    if hooks is not None:
+        hooks.end_of_backward()
+    return stock(offload)

@@ -1,0 +1,109 @@
+"""Gather and release for invocations: extends upstream ``partitioned_param_coordinator.py``.
+
+Upstream's ``PartitionedParameterCoordinator`` keeps doing what it does well: all-gathers,
+prefetching from the recorded trace, the reuse-distance policy. What changes is who may release:
+``fetch_sub_module`` still marks params with the module's ``ds_id``; :meth:`InvocationParams.hold`
+swaps that mark for the invocation's id, and params are released only through the lifecycle, never
+by ``release_sub_module``.
+"""
+
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+from deepspeed.utils import z3_leaf_module
+
+from zero3_ac.runtime.zero.accounting import LifecycleAccounting
+from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle
+
+_PRIVATE = "_PartitionedParameterCoordinator__"
+
+
+def module_params(module):
+    """The params a module's hooks gather: its own (all of them for a z3 leaf) and external ones."""
+    return list(iter_params(module, recurse=z3_leaf_module(module)))
+
+
+def _nbytes(param) -> int:
+    return param.ds_numel * param.element_size()
+
+
+class InvocationParams:
+    """Companion of one engine's coordinator: holds params for invocations and releases them."""
+
+    def __init__(self, coordinator, max_handoff_numel: int):
+        self.coordinator = coordinator
+        self.accounting = LifecycleAccounting()
+        self.lifecycle = InvocationLifecycle(numel=lambda param: param.ds_numel,
+                                             frozen=lambda param: not param.requires_grad,
+                                             holder_set=lambda param: param.ds_active_sub_modules,
+                                             max_handoff_numel=max_handoff_numel)
+        self.phase = "forward"
+        self._stock_all_gather = getattr(coordinator, _PRIVATE + "all_gather_params")
+        self._stock_release_param = getattr(coordinator, _PRIVATE + "release_param")
+        self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
+        # Instance attributes shadow the name-mangled methods for this coordinator only.
+        setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
+        setattr(coordinator, _PRIVATE + "release_param", self._release_param)
+
+    # ------------------------------------------------------------------ accounting wrappers
+    def _all_gather_params(self, params, forward):
+        record = self.accounting.current.record_gather
+        for param in params:
+            if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                record(self.phase, not param.requires_grad, param.ds_numel, _nbytes(param))
+        self._stock_all_gather(params, forward)
+
+    def _release_param(self, param, free_data=True):
+        was_available = param.ds_status == ZeroParamStatus.AVAILABLE
+        self._stock_release_param(param, free_data)
+        if was_available and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            self.accounting.current.record_release(_nbytes(param))
+
+    # ------------------------------------------------------------------ holds
+    def hold(self, module, invocation) -> None:
+        """Right after upstream fetched ``module``: make ``invocation`` the holder of its params."""
+        # 0.19.3+ records backward modules here for its recompute attribution; the lifecycle
+        # replaces that attribution, so the registry stays empty and the attribution never fires.
+        backward_registry = getattr(self.coordinator, _PRIVATE + "active_backward_submodules", None)
+        if backward_registry:
+            backward_registry.clear()
+        params = module_params(module)
+        for param in params:
+            param.ds_active_sub_modules.discard(module.ds_id)
+        self.lifecycle.hold(invocation, params)
+
+    def release(self, params, module=None) -> None:
+        """Release params the lifecycle freed, under upstream's persistence and reuse rules.
+
+        With ``module`` given and a complete trace, params that the trace says are reused soon stay
+        gathered (``stage3_max_reuse_distance``), as upstream does at a module's release.
+        """
+        if not params:
+            return
+        keep_for_reuse = None
+        if module is not None and self.coordinator.is_complete_trace():
+            step_id = getattr(self.coordinator, _PRIVATE + "step_id")
+            keep_for_reuse = self._params_to_release(module, step_id)
+        for param in params:
+            if param.ds_persist or param.is_external_param:
+                continue
+            if keep_for_reuse is not None and param.ds_id not in keep_for_reuse:
+                continue
+            self._release_param(param)
+
+    def evict_over_budget(self) -> None:
+        evicted = self.lifecycle.evict_over_budget()
+        self.accounting.current.evicted_params += len(evicted)
+        self.release(evicted)
+
+    def drain(self, root_module) -> None:
+        """Release everything still held, then anything else left gathered (the safety net)."""
+        report = self.lifecycle.drain()
+        self.release(report.params)
+        self.coordinator._clean_inflight_param_registry()
+        swept = 0
+        for param in iter_params(root_module, recurse=True):
+            if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
+                    and not param.is_external_param and not param.ds_active_sub_modules):
+                self._release_param(param)
+                swept += 1
+        self.accounting.record_drain(report.invocations, len(report.params), swept)
