@@ -26,7 +26,9 @@ def is_active() -> bool:
 
 def _patches():
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime.zero import parameter_offload as fork
+    from zero3_ac.runtime.zero import stage3 as fork_stage3
 
     def _register_deepspeed_module(self, module, count=[0]):
         fork.register_deepspeed_module(self, module)
@@ -34,9 +36,14 @@ def _patches():
     def partition_all_parameters(self):
         return fork.partition_all_parameters(self, _originals[(DeepSpeedZeRoOffload, "partition_all_parameters")])
 
+    def initialize_ds_offload(self, *args, **kwargs):
+        return fork_stage3.initialize_ds_offload(
+            self, _originals[(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload")], *args, **kwargs)
+
     patches = [
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (DeepSpeedZeRoOffload, "partition_all_parameters", partition_all_parameters),
+        (DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", initialize_ds_offload),
     ]
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
 

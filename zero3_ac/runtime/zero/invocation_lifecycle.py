@@ -117,10 +117,14 @@ class InvocationLifecycle:
     def call_stack(self) -> List[Invocation]:
         return list(self._call_stack)
 
+    def inside_replay(self) -> bool:
+        """Whether the innermost running forward is part of a replay recompute."""
+        return bool(self._call_stack) and self._call_stack[-1].replay
+
     def innermost_forward(self, module: Hashable) -> Optional[Invocation]:
         """The newest forward invocation of ``module`` still on the call stack."""
         for inv in reversed(self._call_stack):
-            if inv.module is module:
+            if inv.module == module:
                 return inv
         return None
 
@@ -179,6 +183,8 @@ class InvocationLifecycle:
         """
         if inv.phase is Phase.BACKWARD:
             raise ValueError(f"{inv} is not a forward invocation")
+        if own_slot is not None and own_slot.phase is not Phase.BACKWARD:
+            raise ValueError(f"{own_slot} is not a backward slot")
         if inv.state is State.CLOSED:
             return []
         freed = self._pop_call_stack_to(inv)
@@ -251,7 +257,7 @@ class InvocationLifecycle:
             slot.holds.discard(param)
             if self._unhold(slot.id, param):
                 freed.append(param)
-                over -= self._numel(param)
+            over = self.handoff_numel() - self.max_handoff_numel
         return freed
 
     # ------------------------------------------------------------------ internals
@@ -297,9 +303,10 @@ class InvocationLifecycle:
             holders = self._holder_set(param)
             holders.discard(inv.id)
             holders.add(slot.id)
-            if param not in slot.holds:
-                slot.holds.add(param)
-                self._handoffs[(slot.id, param)] = self._batch
+            slot.holds.add(param)
+            # Re-stamped even if the slot held it already: the running batch references it now.
+            self._handoffs.pop((slot.id, param), None)
+            self._handoffs[(slot.id, param)] = self._batch
         inv.holds = set()
         inv.state = State.CLOSED
         del self._live[inv.id]

@@ -116,6 +116,7 @@ class ModuleInvocationHooks:
         self._backward_task = None
         self._slots_awaiting_grad = {}
         self._grad_hooked = set()
+        self.on_aborted_backward = None
 
     # ------------------------------------------------------------------ registration
     def register(self, root):
@@ -150,9 +151,10 @@ class ModuleInvocationHooks:
         in_backward = autograd_context.in_backward()
         if in_backward:
             self._enter_backward()
-        elif module is self.offload.module and not self.lifecycle.call_stack:
+        elif module is self.offload.module:
             self.start_root_forward()
-        replay = in_backward and autograd_context.is_replay_recompute()
+        # A checkpoint nested in a replayed region replays with it: its own pack hook is on top.
+        replay = in_backward and (self.lifecycle.inside_replay() or autograd_context.is_replay_recompute())
         invocation = self.lifecycle.open_forward(module,
                                                  in_backward,
                                                  replay=replay,
@@ -259,8 +261,11 @@ class ModuleInvocationHooks:
         self._drain("end of backward")
 
     def start_root_forward(self):
+        aborted = self._backward_task is not None
         self._backward_task = None
         self._drain("start of forward")
+        if aborted and self.on_aborted_backward is not None:
+            self.on_aborted_backward()
         self.accounting.start_step()
 
     def _drain(self, where):

@@ -58,6 +58,10 @@ class InvocationParams:
         if was_available and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             self.accounting.current.record_release(_nbytes(param))
 
+    def _release_through_coordinator(self, param):
+        # Through the coordinator's attribute, so that whoever wraps it later sees this release too.
+        getattr(self.coordinator, _PRIVATE + "release_param")(param)
+
     # ------------------------------------------------------------------ holds
     def hold(self, module, invocation) -> None:
         """Right after upstream fetched ``module``: make ``invocation`` the holder of its params."""
@@ -88,7 +92,7 @@ class InvocationParams:
                 continue
             if keep_for_reuse is not None and param.ds_id not in keep_for_reuse:
                 continue
-            self._release_param(param)
+            self._release_through_coordinator(param)
 
     def evict_over_budget(self) -> None:
         evicted = self.lifecycle.evict_over_budget()
@@ -104,6 +108,6 @@ class InvocationParams:
         for param in iter_params(root_module, recurse=True):
             if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
-                self._release_param(param)
+                self._release_through_coordinator(param)
                 swept += 1
         self.accounting.record_drain(report.invocations, len(report.params), swept)

@@ -1,0 +1,50 @@
+"""Session-wide pytest configuration.
+
+--stock    run against stock DeepSpeed: sets ZERO3_AC_DISABLE=1 for every worker
+--runslow  also run tests marked @pytest.mark.slow
+
+Worker pools (tests/unit/common.py) inherit the environment at pool creation,
+so ZERO3_AC_DISABLE is set here, in pytest_configure, before any pool exists.
+"""
+
+import os
+import sys
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("zero3_ac")
+    group.addoption("--stock",
+                    action="store_true",
+                    default=False,
+                    help="run against stock DeepSpeed: sets ZERO3_AC_DISABLE=1 for every worker")
+    group.addoption("--runslow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slow test, skipped unless --runslow is given")
+    config.addinivalue_line(
+        "markers", "stock_fails: documents that the test fails against stock DeepSpeed (--stock); no effect")
+    if config.getoption("--stock"):
+        os.environ["ZERO3_AC_DISABLE"] = "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: needs --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+def pytest_report_header(config):
+    stock = os.environ.get("ZERO3_AC_DISABLE", "") not in ("", "0")
+    return f"zero3_ac: {'STOCK DeepSpeed (ZERO3_AC_DISABLE=1)' if stock else 'patched'}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    common = sys.modules.get("tests.unit.common")
+    if common is not None:
+        common.shutdown_pools()

@@ -1,0 +1,955 @@
+"""Unit and property tests of the pure per-invocation lifecycle (invocation_lifecycle.py).
+
+The module imports neither torch nor DeepSpeed: modules and params are plain string keys here
+("m1", "w1"). The rules under test are those of the module's Notes: [Invocations and holds],
+[Backward slots and the ownership map] and [Aborted forwards], plus the hand-off budget.
+"""
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle, Phase, State
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def forward(lc, module, params=(), **kwargs):
+    """Open a plain forward invocation of ``module`` holding ``params``."""
+    inv = lc.open_forward(module, in_backward=False, **kwargs)
+    lc.hold(inv, params)
+    return inv
+
+
+def recompute(lc, module, params=(), replay=False, **kwargs):
+    """Open a recompute (forward inside a backward) of ``module`` holding ``params``."""
+    inv = lc.open_forward(module, in_backward=True, replay=replay, **kwargs)
+    lc.hold(inv, params)
+    return inv
+
+
+def replay_handoff(lc, module, params, slot=None):
+    """A replay recompute of ``module`` that hands ``params`` off to ``slot`` (made if not given)."""
+    slot = slot if slot is not None else lc.new_slot(module)
+    inv = recompute(lc, module, params, replay=True)
+    assert lc.close_forward(inv) == []
+    assert params == set() or slot.holds >= set(params)
+    return slot
+
+
+# ---------------------------------------------------------------------------------------------
+# [Invocations and holds]: forward invocations
+
+
+def test_forward_close_returns_params_it_was_last_holder_of():
+    lc = InvocationLifecycle()
+    inv = forward(lc, "m1", ["w1", "w2"])
+    assert inv.phase is Phase.FORWARD and inv.state is State.OPEN
+    assert lc.holders("w1") == {inv.id} and lc.is_held("w2")
+    assert sorted(lc.close_forward(inv)) == ["w1", "w2"]
+    assert inv.state is State.CLOSED and inv.holds == set()
+    assert not lc.is_held("w1") and lc.holders("w1") == set()
+    assert lc.live() == [] and lc.call_stack == []
+
+
+def test_param_held_by_two_invocations_is_freed_only_when_both_closed():
+    lc = InvocationLifecycle()
+    outer = forward(lc, "m1", ["w1", "shared"])
+    inner = forward(lc, "m2", ["w2", "shared"])
+    assert lc.holders("shared") == {outer.id, inner.id}
+    assert sorted(lc.close_forward(inner)) == ["w2"]
+    assert lc.holders("shared") == {outer.id}
+    assert sorted(lc.close_forward(outer)) == ["shared", "w1"]
+    assert not lc.is_held("shared")
+
+
+def test_param_held_by_two_invocations_freed_when_both_closed_in_any_order():
+    lc = InvocationLifecycle()
+    a = forward(lc, "m1", ["shared"])
+    b = forward(lc, "m2", ["shared"])
+    # closing the outer one first pops (and retires) the inner one too: both close in one call
+    assert lc.close_forward(a) == ["shared"]
+    assert b.state is State.CLOSED
+
+
+def test_invocation_ids_are_unique_and_negative():
+    lc = InvocationLifecycle()
+    invs = [forward(lc, "m1"), lc.new_slot("m1"), recompute(lc, "m2"), lc.new_slot("m2")]
+    lc.drain()
+    invs += [forward(lc, "m1"), lc.new_slot("m3")]
+    ids = [inv.id for inv in invs]
+    assert len(set(ids)) == len(ids)
+    assert all(i < 0 for i in ids)
+
+
+def test_hold_is_idempotent_for_one_invocation():
+    lc = InvocationLifecycle()
+    inv = forward(lc, "m1", ["w1"])
+    lc.hold(inv, ["w1", "w1"])
+    assert lc.holders("w1") == {inv.id}
+    assert lc.close_forward(inv) == ["w1"]
+
+
+def test_close_forward_of_a_closed_invocation_returns_nothing():
+    lc = InvocationLifecycle()
+    inv = forward(lc, "m1", ["w1"])
+    assert lc.close_forward(inv) == ["w1"]
+    assert lc.close_forward(inv) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# [Backward slots and the ownership map]: replay recompute
+
+
+def test_replay_recompute_hands_its_holds_to_the_slot_of_its_module():
+    lc = InvocationLifecycle()
+    f = forward(lc, "m1", ["w1"])
+    slot = lc.new_slot("m1")
+    assert slot.phase is Phase.BACKWARD and slot.state is State.PENDING
+    assert lc.close_forward(f, own_slot=slot) == ["w1"]  # a plain forward frees at close
+
+    r = recompute(lc, "m1", ["w1", "w2"], replay=True)
+    assert r.phase is Phase.RECOMPUTE and r.replay
+    assert lc.close_forward(r) == []  # nothing freed: handed off
+    assert r.state is State.CLOSED and r.holds == set()
+    assert slot.holds == {"w1", "w2"} and slot.matched
+    assert lc.holders("w1") == {slot.id} and lc.holders("w2") == {slot.id}
+
+    assert lc.open_backward(slot) == []
+    assert sorted(lc.close_backward(slot)) == ["w1", "w2"]
+    assert slot.state is State.CLOSED and not lc.is_held("w1") and not lc.is_held("w2")
+
+
+def test_replay_recompute_picks_the_newest_unclosed_unmatched_slot_of_its_module():
+    lc = InvocationLifecycle()
+    old = lc.new_slot("m1")
+    new = lc.new_slot("m1")
+    other = lc.new_slot("m2")  # newer, but another module
+    closed = lc.new_slot("m1")
+    lc.close_backward(closed)
+
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    lc.close_forward(r)
+    assert new.holds == {"w1"} and new.matched
+    assert old.holds == set() and not old.matched
+    assert other.holds == set() and closed.holds == set()
+
+
+def test_two_slots_two_replays_each_slot_matched_once_params_held_until_both_closed():
+    lc = InvocationLifecycle()
+    s1 = lc.new_slot("m1")
+    s2 = lc.new_slot("m1")
+    r1 = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r1) == []
+    r2 = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r2) == []
+    assert s1.matched and s2.matched
+    assert s1.holds == {"w1"} and s2.holds == {"w1"}
+    assert lc.holders("w1") == {s1.id, s2.id}
+
+    assert lc.close_backward(s2) == []
+    assert lc.is_held("w1") and lc.holders("w1") == {s1.id}
+    assert lc.close_backward(s1) == ["w1"]
+    assert not lc.is_held("w1")
+
+
+def test_third_replay_after_both_slots_matched_frees_at_close():
+    lc = InvocationLifecycle()
+    lc.new_slot("m1")
+    lc.new_slot("m1")
+    for _ in range(2):
+        lc.close_forward(recompute(lc, "m1", ["w1"], replay=True))
+    r3 = recompute(lc, "m1", ["w2"], replay=True)
+    assert lc.close_forward(r3) == ["w2"]
+
+
+def test_replay_recompute_can_be_consumed_by_an_open_slot():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m1")
+    lc.open_backward(slot)
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r) == []
+    assert slot.holds == {"w1"}
+    assert lc.close_backward(slot) == ["w1"]
+
+
+def test_replay_recompute_with_no_slot_for_its_module_frees_at_close():
+    lc = InvocationLifecycle()
+    other = lc.new_slot("m2")
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r) == ["w1"]
+    assert other.holds == set() and not other.matched
+    assert not lc.is_held("w1")
+
+
+def test_replay_recompute_ignores_own_slot_and_uses_the_module_slots():
+    lc = InvocationLifecycle()
+    module_slot = lc.new_slot("m1")
+    unrelated = lc.new_slot("m2")
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r, own_slot=unrelated) == []
+    assert module_slot.holds == {"w1"} and unrelated.holds == set()
+
+
+def test_replay_recompute_with_only_closed_slots_frees_at_close():
+    lc = InvocationLifecycle()
+    s = lc.new_slot("m1")
+    lc.open_backward(s)
+    lc.close_backward(s)
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r) == ["w1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# reentrant recompute and plain forward
+
+
+def test_reentrant_recompute_hands_off_to_own_slot():
+    lc = InvocationLifecycle()
+    r = recompute(lc, "m1", ["w1", "w2"], replay=False)
+    own = lc.new_slot("m1")
+    assert lc.close_forward(r, own_slot=own) == []
+    assert own.holds == {"w1", "w2"}
+    assert lc.holders("w1") == {own.id}
+    assert sorted(lc.close_backward(own)) == ["w1", "w2"]
+
+
+def test_reentrant_recompute_without_own_slot_frees_at_close():
+    lc = InvocationLifecycle()
+    lc.new_slot("m1")  # a slot of the same module is not a reentrant recompute's consumer
+    r = recompute(lc, "m1", ["w1"], replay=False)
+    assert lc.close_forward(r) == ["w1"]
+
+
+def test_reentrant_recompute_with_a_closed_own_slot_frees_at_close():
+    lc = InvocationLifecycle()
+    own = lc.new_slot("m1")
+    lc.close_backward(own)
+    r = recompute(lc, "m1", ["w1"], replay=False)
+    assert lc.close_forward(r, own_slot=own) == ["w1"]
+
+
+def test_plain_forward_never_hands_off_even_with_own_slot():
+    lc = InvocationLifecycle()
+    slot_m1 = lc.new_slot("m1")
+    f = forward(lc, "m1", ["w1"])
+    own = lc.new_slot("m1")
+    assert lc.close_forward(f, own_slot=own) == ["w1"]
+    assert own.holds == set() and slot_m1.holds == set()
+    assert not own.matched and not slot_m1.matched
+
+
+# ---------------------------------------------------------------------------------------------
+# [Aborted forwards]
+
+
+@pytest.mark.parametrize("event", ["open_backward", "close_backward", "reap_aborted"])
+def test_aborted_forward_is_reaped_by_any_backward_event(event):
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m9")
+    f = forward(lc, "m1", ["w1"])
+    inner = forward(lc, "m2", ["w2"])
+    freed = lc.reap_aborted() if event == "reap_aborted" else getattr(lc, event)(slot)
+    assert sorted(freed) == ["w1", "w2"]
+    assert f.state is State.CLOSED and inner.state is State.CLOSED
+    assert lc.call_stack == [] and not lc.is_held("w1")
+    assert lc.close_forward(f) == []  # a late post-hook finds it closed
+
+
+@pytest.mark.parametrize("event", ["open_backward", "close_backward", "reap_aborted"])
+def test_reaped_replay_recompute_hands_off_like_a_normal_close(event):
+    lc = InvocationLifecycle()
+    consumer = lc.new_slot("m1")
+    trigger = lc.new_slot("m9")
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    freed = lc.reap_aborted() if event == "reap_aborted" else getattr(lc, event)(trigger)
+    assert freed == []
+    assert r.state is State.CLOSED
+    assert consumer.holds == {"w1"} and consumer.matched
+    assert lc.holders("w1") == {consumer.id}
+
+
+def test_reaped_reentrant_recompute_frees_since_it_has_no_own_slot_yet():
+    lc = InvocationLifecycle()
+    lc.new_slot("m1")
+    recompute(lc, "m1", ["w1"], replay=False)
+    assert lc.reap_aborted() == ["w1"]
+
+
+def test_reap_with_nothing_on_the_call_stack_is_a_no_op():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m1")
+    assert lc.reap_aborted() == []
+    assert slot.state is State.PENDING and lc.live() == [slot]
+
+
+def test_closing_an_outer_invocation_pops_and_retires_inner_unclosed_ones():
+    lc = InvocationLifecycle()
+    outer = forward(lc, "m1", ["w1"])
+    middle = forward(lc, "m2", ["w2"])
+    inner = forward(lc, "m3", ["w3"])
+    assert sorted(lc.close_forward(outer)) == ["w1", "w2", "w3"]
+    assert middle.state is State.CLOSED and inner.state is State.CLOSED
+    assert lc.call_stack == []
+
+
+def test_closing_an_outer_invocation_lets_an_inner_replay_hand_off():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m2")
+    outer = recompute(lc, "m1", ["w1"], replay=True)  # m1 has no slot: frees
+    recompute(lc, "m2", ["w2"], replay=True)  # aborted inside: handed to m2's slot
+    assert lc.close_forward(outer) == ["w1"]
+    assert slot.holds == {"w2"}
+
+
+def test_closing_an_inner_invocation_leaves_the_outer_on_the_stack():
+    lc = InvocationLifecycle()
+    outer = forward(lc, "m1", ["w1"])
+    inner = forward(lc, "m2", ["w2"])
+    assert lc.close_forward(inner) == ["w2"]
+    assert lc.call_stack == [outer] and outer.state is State.OPEN
+
+
+def test_stack_depth_is_kept_on_the_invocation():
+    lc = InvocationLifecycle()
+    a = lc.open_forward("m1", in_backward=False, stack_depth=3)
+    b = lc.open_forward("m2", in_backward=True, replay=True, stack_depth=7)
+    c = lc.open_forward("m3", in_backward=False)
+    assert (a.stack_depth, b.stack_depth, c.stack_depth) == (3, 7, -1)
+
+
+def test_innermost_forward_is_the_newest_open_invocation_of_the_module():
+    lc = InvocationLifecycle()
+    assert lc.innermost_forward("m1") is None
+    first = forward(lc, "m1")
+    second = forward(lc, "m1")
+    other = forward(lc, "m2")
+    assert lc.innermost_forward("m1") is second
+    assert lc.innermost_forward("m2") is other
+    assert lc.innermost_forward("m3") is None
+    lc.close_forward(second)  # pops `other` too
+    assert lc.innermost_forward("m1") is first
+    assert lc.innermost_forward("m2") is None
+    lc.reap_aborted()
+    assert lc.innermost_forward("m1") is None
+
+
+def test_innermost_forward_treats_modules_as_hashable_keys():
+    lc = InvocationLifecycle()
+    key, equal_key = "".join(["m", "1"]), "".join(["m", "1"])
+    assert key == equal_key and key is not equal_key
+    inv = lc.open_forward(key, in_backward=False)
+    assert lc.innermost_forward(equal_key) is inv
+
+
+# ---------------------------------------------------------------------------------------------
+# drain
+
+
+def test_drain_retires_every_live_invocation_and_returns_what_was_held():
+    lc = InvocationLifecycle()
+    pending = lc.new_slot("m2")
+    replay_handoff(lc, "m2", {"w2"}, slot=pending)  # pending slot holding a hand-off
+    opened = lc.new_slot("m3")
+    lc.open_backward(opened)
+    lc.hold(opened, ["w3", "w1"])
+    forward(lc, "m1", ["w1"])  # open forward
+    recompute(lc, "m4", ["w4"], replay=True)  # open recompute
+    lc.new_slot("m5")  # empty pending slot
+    live_before = len(lc.live())
+
+    report = lc.drain()
+    assert report.invocations == live_before == 5
+    assert sorted(report.params) == ["w1", "w2", "w3", "w4"]
+    assert lc.size() == {"invocations": 0, "held_params": 0, "call_stack": 0, "slot_modules": 0, "handoffs": 0}
+    assert all(not lc.is_held(p) and lc.holders(p) == set() for p in ["w1", "w2", "w3", "w4"])
+    assert lc.live() == [] and lc.call_stack == [] and lc.pending_slots("m2") == []
+    assert pending.state is State.CLOSED and opened.state is State.CLOSED
+
+
+def test_drain_of_an_empty_lifecycle_reports_nothing():
+    report = InvocationLifecycle().drain()
+    assert report.invocations == 0 and report.params == []
+
+
+def test_lifecycle_is_usable_after_drain():
+    lc = InvocationLifecycle()
+    lc.new_slot("m1")
+    lc.drain()
+    r = recompute(lc, "m1", ["w1"], replay=True)  # the drained slot is gone
+    assert lc.close_forward(r) == ["w1"]
+
+
+# ---------------------------------------------------------------------------------------------
+# the hand-off budget
+
+NUMEL = {"w1": 1, "w2": 2, "w3": 3, "w4": 4, "f1": 5, "f2": 6}
+
+
+def budget_lc(budget, frozen=()):
+    return InvocationLifecycle(numel=NUMEL.__getitem__,
+                               frozen=lambda p: p in frozen,
+                               max_handoff_numel=budget)
+
+
+def test_handoff_numel_counts_distinct_params_kept_only_by_pending_slots():
+    lc = budget_lc(None)
+    s1 = replay_handoff(lc, "m1", {"w1", "w2"})
+    s2 = replay_handoff(lc, "m2", {"w2", "w3"})
+    assert lc.handoff_numel() == 1 + 2 + 3  # w2 counted once
+    f = forward(lc, "m9", ["w3"])  # also held by a live forward: not kept *only* by hand-offs
+    assert lc.handoff_numel() == 1 + 2
+    lc.close_forward(f)
+    assert lc.handoff_numel() == 1 + 2 + 3
+    lc.open_backward(s2)  # an open slot's params are not counted
+    assert lc.handoff_numel() == 1
+    lc.close_backward(s2)
+    assert lc.handoff_numel() == 1 + 2
+    lc.close_backward(s1)
+    assert lc.handoff_numel() == 0
+
+
+def test_handoff_numel_ignores_params_a_slot_holds_without_a_handoff():
+    lc = budget_lc(None)
+    slot = lc.new_slot("m1")
+    lc.hold(slot, ["w4"])
+    assert lc.handoff_numel() == 0
+
+
+def test_evict_drops_oldest_handoffs_first_until_under_budget():
+    lc = budget_lc(3)
+    s1 = replay_handoff(lc, "m1", {"w1"})
+    s2 = replay_handoff(lc, "m2", {"w2"})
+    s3 = replay_handoff(lc, "m3", {"w3"})
+    assert lc.handoff_numel() == 6
+    assert lc.evict_over_budget() == ["w1", "w2"]  # 6 -> 5 -> 3
+    assert s1.holds == set() and s2.holds == set() and s3.holds == {"w3"}
+    assert lc.handoff_numel() == 3
+    assert not lc.is_held("w1") and lc.is_held("w3")
+    assert lc.evict_over_budget() == []  # already within budget
+
+
+def test_evict_with_no_budget_evicts_nothing():
+    lc = budget_lc(None)
+    replay_handoff(lc, "m1", {"w1", "w2", "w3"})
+    lc.reap_aborted()
+    assert lc.evict_over_budget() == []
+    assert lc.handoff_numel() == 6
+
+
+def test_evicted_param_still_held_by_another_slot_is_not_returned():
+    lc = budget_lc(0)
+    s1 = replay_handoff(lc, "m1", {"w1"})
+    s2 = replay_handoff(lc, "m2", {"w1"})
+    assert lc.evict_over_budget() == ["w1"]  # both hand-offs dropped, freed once
+    assert s1.holds == set() and s2.holds == set()
+
+
+def test_evict_keeps_a_handoff_whose_param_a_live_forward_also_holds_out_of_the_count():
+    lc = budget_lc(0)
+    replay_handoff(lc, "m1", {"w1"})
+    forward(lc, "m9", ["w1"])
+    assert lc.handoff_numel() == 0
+    assert lc.evict_over_budget() == []
+
+
+def test_frozen_handoffs_of_the_running_recompute_batch_are_never_evicted():
+    lc = budget_lc(0, frozen={"f1"})
+    slot = replay_handoff(lc, "m1", {"f1", "w1"})
+    assert lc.evict_over_budget() == ["w1"]  # the trainable one goes at once
+    assert slot.holds == {"f1"}
+    assert lc.evict_over_budget() == []  # still the same batch: f1 stays
+    assert lc.is_held("f1")
+
+
+def test_frozen_handoffs_stay_across_recomputes_of_the_same_batch():
+    lc = budget_lc(0, frozen={"f1", "f2"})
+    s1 = replay_handoff(lc, "m1", {"f1"})
+    s2 = replay_handoff(lc, "m2", {"f2"})
+    assert lc.evict_over_budget() == []
+    assert s1.holds == {"f1"} and s2.holds == {"f2"}
+
+
+@pytest.mark.parametrize("end_of_batch", ["reap_aborted", "open_backward", "close_backward"])
+def test_frozen_handoffs_may_be_evicted_once_the_batch_ends(end_of_batch):
+    lc = budget_lc(0, frozen={"f1"})
+    slot = replay_handoff(lc, "m1", {"f1"})
+    other = lc.new_slot("m9")
+    if end_of_batch == "reap_aborted":
+        lc.reap_aborted()
+    else:
+        getattr(lc, end_of_batch)(other)
+    assert lc.evict_over_budget() == ["f1"]
+    assert slot.holds == set() and not lc.is_held("f1")
+
+
+def test_frozen_handoff_of_an_older_batch_is_evicted_during_a_new_batch():
+    lc = budget_lc(0, frozen={"f1", "f2"})
+    old = replay_handoff(lc, "m1", {"f1"})
+    lc.reap_aborted()
+    new = replay_handoff(lc, "m2", {"f2"})
+    assert lc.evict_over_budget() == ["f1"]
+    assert old.holds == set() and new.holds == {"f2"}
+
+
+def test_trainable_handoffs_can_be_evicted_any_time():
+    lc = budget_lc(0)
+    slot = replay_handoff(lc, "m1", {"w1"})
+    running = recompute(lc, "m2", [], replay=True)  # batch still running, recompute still open
+    assert lc.evict_over_budget() == ["w1"]
+    assert slot.holds == set()
+    assert running.state is State.OPEN
+
+
+def test_an_open_slot_is_never_evicted_from():
+    lc = budget_lc(0)
+    slot = replay_handoff(lc, "m1", {"w1", "w2"})
+    lc.open_backward(slot)
+    assert lc.evict_over_budget() == []
+    assert slot.holds == {"w1", "w2"}
+    assert lc.handoff_numel() == 0
+
+
+def test_an_open_slot_is_skipped_while_evicting_newer_pending_handoffs():
+    lc = budget_lc(0)
+    opened = replay_handoff(lc, "m1", {"w1"})  # the oldest hand-off...
+    lc.open_backward(opened)  # ...but its slot is open now
+    pending = replay_handoff(lc, "m2", {"w2"})
+    assert lc.evict_over_budget() == ["w2"]
+    assert opened.holds == {"w1"} and pending.holds == set()
+    assert lc.is_held("w1")
+
+
+def test_eviction_leaves_the_slot_pending_and_closable():
+    lc = budget_lc(0)
+    slot = replay_handoff(lc, "m1", {"w1"})
+    assert lc.evict_over_budget() == ["w1"]
+    assert slot.state is State.PENDING
+    lc.open_backward(slot)
+    lc.hold(slot, ["w1"])  # the slot gathers its param again when it opens
+    assert lc.close_backward(slot) == ["w1"]
+    assert lc.size()["handoffs"] == 0
+
+
+def test_evict_stops_once_handoff_numel_is_within_budget():
+    lc = InvocationLifecycle(max_handoff_numel=1)
+    direct = lc.new_slot("m0")
+    lc.hold(direct, ["w1"])  # a pending slot holding w1 itself (not through a hand-off)
+    replay_handoff(lc, "m1", {"w1"})
+    late = replay_handoff(lc, "m2", {"w2"})
+    assert lc.handoff_numel() == 2
+    lc.evict_over_budget()
+    # dropping the hand-off of w1 already brings the size to 1 <= budget: w2 must stay
+    assert late.holds == {"w2"}
+    assert lc.handoff_numel() == 1
+
+
+def test_frozen_param_handed_again_to_the_same_slot_is_not_evicted_during_the_new_batch():
+    lc = budget_lc(0, frozen={"f1"})
+    # batch 0: a reentrant recompute of m1 hands f1 to the slot it made itself
+    r1 = recompute(lc, "m1", ["f1"], replay=False)
+    own = lc.new_slot("m1")
+    lc.close_forward(r1, own_slot=own)
+    lc.reap_aborted()  # batch 0 ends
+    # batch 1: a replay recompute of m1 matches that (unmatched) slot and hands f1 to it again
+    r2 = recompute(lc, "m1", ["f1"], replay=True)
+    lc.close_forward(r2)
+    assert own.holds == {"f1"} and own.matched
+    # the batch of r2 is still running: f1 must not be evicted
+    assert lc.evict_over_budget() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# holder_set
+
+
+def test_holder_set_receives_the_holder_ids():
+    sets = {}
+    lc = InvocationLifecycle(holder_set=lambda p: sets.setdefault(p, set()))
+    f = forward(lc, "m1", ["w1"])
+    assert sets["w1"] == {f.id}
+    slot = lc.new_slot("m2")
+    r = recompute(lc, "m2", ["w1", "w2"], replay=True)
+    assert sets["w1"] == {f.id, r.id} and sets["w2"] == {r.id}
+    lc.close_forward(r)
+    assert sets["w1"] == {f.id, slot.id} and sets["w2"] == {slot.id}
+    assert lc.close_forward(f) == []
+    assert sets["w1"] == {slot.id}
+    assert sorted(lc.close_backward(slot)) == ["w1", "w2"]
+    assert sets["w1"] == set() and sets["w2"] == set()
+
+
+def test_holder_set_is_emptied_by_drain_and_eviction():
+    sets = {}
+    lc = InvocationLifecycle(holder_set=lambda p: sets.setdefault(p, set()), max_handoff_numel=0)
+    replay_handoff(lc, "m1", {"w1"})
+    forward(lc, "m2", ["w2"])
+    assert lc.evict_over_budget() == ["w1"]
+    assert sets["w1"] == set()
+    lc.drain()
+    assert sets["w2"] == set()
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def test_hold_on_a_closed_invocation_raises():
+    lc = InvocationLifecycle()
+    inv = forward(lc, "m1")
+    lc.close_forward(inv)
+    with pytest.raises(ValueError):
+        lc.hold(inv, ["w1"])
+    assert not lc.is_held("w1")
+
+
+def test_hold_on_a_closed_slot_raises():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m1")
+    lc.close_backward(slot)
+    with pytest.raises(ValueError):
+        lc.hold(slot, ["w1"])
+
+
+def test_replay_outside_a_backward_raises():
+    lc = InvocationLifecycle()
+    with pytest.raises(ValueError):
+        lc.open_forward("m1", in_backward=False, replay=True)
+    assert lc.live() == [] and lc.call_stack == []
+
+
+def test_close_forward_on_a_backward_slot_raises():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("m1")
+    with pytest.raises(ValueError):
+        lc.close_forward(slot)
+    assert slot.state is State.PENDING
+
+
+# ---------------------------------------------------------------------------------------------
+# property tests: a reference model of the lifecycle driven by random event sequences
+
+PARAMS = ("w0", "w1", "w2", "f0", "f1")
+FROZEN = frozenset({"f0", "f1"})
+PARAM_NUMEL = {"w0": 1, "w1": 2, "w2": 1, "f0": 1, "f1": 2}
+MODULES = ("m0", "m1", "m2")
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Drives the public API at random and checks it against a small reference model.
+
+    The model mirrors holds, the call stack, slots, matching and hand-off stamps; eviction is
+    checked against the spec (oldest evictable first, only from pending slots, never a frozen
+    param handed off by the running batch, stop once within budget) rather than mirrored.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.lc = None
+
+    @initialize(budget=st.sampled_from([None, 0, 1, 2, 3]), external=st.booleans())
+    def setup(self, budget, external):
+        self.external_sets = {} if external else None
+        holder_set = (lambda p: self.external_sets.setdefault(p, set())) if external else None
+        self.budget = budget
+        self.lc = InvocationLifecycle(numel=PARAM_NUMEL.__getitem__,
+                                      frozen=FROZEN.__contains__,
+                                      holder_set=holder_set,
+                                      max_handoff_numel=budget)
+        self.invs = {}  # every invocation ever made, by id
+        self.state = {}  # model state by id
+        self.holds = {}  # live id -> set of params
+        self.stack = []  # ids of open forwards, outermost first
+        self.slots = {}  # module -> slot ids in creation order
+        self.matched = set()
+        self.keys = {}  # (slot id, param) -> (batch, hand-off number): the hand-off stamps
+        self.handoff_events = 0
+        self.batch = 0
+        self.recompute_since_backward = False
+        self.batch_handoffs = {}  # (slot id, param) -> stale?, hand-offs of the running batch
+        self.freed = set()  # returned as freed and not held since
+
+    # ------------------------------------------------------------------ model helpers
+    def _track(self, inv, state):
+        assert inv.id < 0, inv
+        assert inv.id not in self.invs, f"id {inv.id} reused"
+        self.invs[inv.id] = inv
+        self.state[inv.id] = state
+        self.holds[inv.id] = set()
+
+    def _live_holders(self, param):
+        return {i for i, held in self.holds.items() if param in held}
+
+    def _retire(self, i):
+        held = self.holds.pop(i)
+        for p in held:
+            self.keys.pop((i, p), None)
+            self.batch_handoffs.pop((i, p), None)
+        self.state[i] = State.CLOSED
+        return {p for p in held if not self._live_holders(p)}
+
+    def _retire_forward(self, i, own):
+        if self.state[i] is State.CLOSED:
+            return set()
+        inv = self.invs[i]
+        consumer = None
+        if inv.phase is Phase.RECOMPUTE:
+            if inv.replay:
+                for s in reversed(self.slots.get(inv.module, [])):
+                    if self.state[s] is not State.CLOSED and s not in self.matched:
+                        consumer = s
+                        self.matched.add(s)
+                        break
+            elif own is not None and self.state[own.id] is not State.CLOSED:
+                consumer = own.id
+        if consumer is None:
+            return self._retire(i)
+        self.handoff_events += 1
+        for p in self.holds.pop(i):
+            stale = False
+            if p not in self.holds[consumer]:
+                self.holds[consumer].add(p)
+                self.keys[(consumer, p)] = (self.batch, self.handoff_events)
+            elif (consumer, p) in self.keys and self.keys[(consumer, p)][0] != self.batch:
+                stale = True
+            key = (consumer, p)
+            self.batch_handoffs[key] = self.batch_handoffs.get(key, True) and stale
+        self.state[i] = State.CLOSED
+        return set()
+
+    def _reap(self):
+        freed = set()
+        while self.stack:
+            freed |= self._retire_forward(self.stack.pop(), None)
+        if self.recompute_since_backward:
+            self.recompute_since_backward = False
+            self.batch += 1
+        self.batch_handoffs = {}
+        return freed
+
+    def _check_freed(self, returned, expected):
+        assert len(returned) == len(set(returned)), f"freed twice in one call: {returned}"
+        assert set(returned) == expected, (returned, expected)
+        for p in returned:
+            assert not self.lc.is_held(p) and self.lc.holders(p) == set(), p
+            assert p not in self.freed, f"{p} freed twice without being held in between"
+            self.freed.add(p)
+
+    def _pick(self, data, ids):
+        return self.invs[data.draw(st.sampled_from(sorted(ids, reverse=True)))]
+
+    def _slot_ids(self, open_only=False):
+        return [i for i, inv in self.invs.items() if inv.phase is Phase.BACKWARD and
+                (not open_only or self.state[i] is not State.CLOSED)]
+
+    def _evictable(self):
+        """Hand-offs the budget may drop (pending slot, not frozen-of-this-batch)."""
+        out = set()
+        for (s, p), (batch, _) in self.keys.items():
+            if self.state[s] is not State.PENDING:
+                continue
+            if p in FROZEN and self.recompute_since_backward and batch == self.batch:
+                continue
+            out.add((s, p))
+        return out
+
+    def _model_handoff_numel(self):
+        params = set()
+        for (s, p) in self.keys:
+            if self.state[s] is State.PENDING and all(self.state[h] is State.PENDING for h in self._live_holders(p)):
+                params.add(p)
+        return sum(PARAM_NUMEL[p] for p in params)
+
+    # ------------------------------------------------------------------ rules
+    @rule(module=st.sampled_from(MODULES), in_backward=st.booleans(), replay=st.booleans(),
+          depth=st.integers(-1, 5), params=st.sets(st.sampled_from(PARAMS), max_size=3))
+    def open_forward(self, module, in_backward, replay, depth, params):
+        """A pre-hook: open, then hold what the module gathered (as the adapter does)."""
+        replay = replay and in_backward
+        inv = self.lc.open_forward(module, in_backward=in_backward, replay=replay, stack_depth=depth)
+        self._track(inv, State.OPEN)
+        self.lc.hold(inv, sorted(params))
+        self.holds[inv.id] |= params
+        self.freed -= params
+        assert inv.state is State.OPEN and inv.stack_depth == depth and inv.replay == replay
+        assert inv.phase is (Phase.RECOMPUTE if in_backward else Phase.FORWARD)
+        self.stack.append(inv.id)
+        if in_backward:
+            self.recompute_since_backward = True
+        assert self.lc.innermost_forward(module) is inv
+
+    @rule(module=st.sampled_from(MODULES))
+    def new_slot(self, module):
+        slot = self.lc.new_slot(module)
+        self._track(slot, State.PENDING)
+        assert slot.phase is Phase.BACKWARD and slot.state is State.PENDING
+        self.slots.setdefault(module, []).append(slot.id)
+
+    @precondition(lambda self: self.lc is not None and self.holds)
+    @rule(data=st.data(), params=st.sets(st.sampled_from(PARAMS), max_size=3))
+    def hold(self, data, params):
+        inv = self._pick(data, self.holds)
+        self.lc.hold(inv, sorted(params))
+        self.holds[inv.id] |= params
+        self.freed -= params
+
+    @precondition(lambda self: self.lc is not None and any(s is State.CLOSED for s in self.state.values()))
+    @rule(data=st.data())
+    def hold_closed_raises(self, data):
+        inv = self._pick(data, [i for i, s in self.state.items() if s is State.CLOSED])
+        with pytest.raises(ValueError):
+            self.lc.hold(inv, ["w0"])
+
+    @precondition(lambda self: self.lc is not None and self.stack)
+    @rule(data=st.data(), innermost=st.booleans(), make_own_slot=st.booleans())
+    def close_forward(self, data, innermost, make_own_slot):
+        i = self.stack[-1] if innermost else data.draw(st.sampled_from(self.stack))
+        inv = self.invs[i]
+        own = None
+        if make_own_slot:  # as the adapter does: the post-hook makes the call's slot first
+            own = self.lc.new_slot(inv.module)
+            self._track(own, State.PENDING)
+            self.slots.setdefault(inv.module, []).append(own.id)
+        idx = self.stack.index(i)
+        above, self.stack = self.stack[idx + 1:], self.stack[:idx]
+        expected = set()
+        for a in reversed(above):
+            expected |= self._retire_forward(a, None)
+        expected |= self._retire_forward(i, own)
+        self._check_freed(self.lc.close_forward(inv, own_slot=own), expected)
+
+    @precondition(lambda self: self.lc is not None and any(
+        s is State.CLOSED and self.invs[i].phase is not Phase.BACKWARD for i, s in self.state.items()))
+    @rule(data=st.data())
+    def close_closed_forward(self, data):
+        inv = self._pick(data, [i for i, s in self.state.items()
+                                if s is State.CLOSED and self.invs[i].phase is not Phase.BACKWARD])
+        assert self.lc.close_forward(inv) == []
+
+    @precondition(lambda self: self.lc is not None and self._slot_ids())
+    @rule(data=st.data())
+    def open_backward(self, data):
+        slot = self._pick(data, self._slot_ids())
+        expected = self._reap()
+        if self.state[slot.id] is State.PENDING:
+            self.state[slot.id] = State.OPEN
+        self._check_freed(self.lc.open_backward(slot), expected)
+
+    @precondition(lambda self: self.lc is not None and self._slot_ids())
+    @rule(data=st.data())
+    def close_backward(self, data):
+        slot = self._pick(data, self._slot_ids())
+        expected = self._reap()
+        if self.state[slot.id] is not State.CLOSED:
+            expected |= self._retire(slot.id)
+        self._check_freed(self.lc.close_backward(slot), expected)
+
+    @precondition(lambda self: self.lc is not None)
+    @rule()
+    def reap_aborted(self):
+        expected = self._reap()
+        self._check_freed(self.lc.reap_aborted(), expected)
+
+    @precondition(lambda self: self.lc is not None)
+    @rule()
+    def evict_over_budget(self):
+        before = {i: set(h) for i, h in self.holds.items()}
+        evictable = self._evictable()
+        returned = self.lc.evict_over_budget()
+        removed = {(i, p) for i, held in before.items() for p in held - self.invs[i].holds}
+        for i, held in before.items():
+            assert self.invs[i].holds <= held, "eviction added holds"
+        if self.budget is None:
+            assert returned == [] and removed == set()
+            return
+        # never a frozen param handed off by the running batch
+        protected = {p for (s, p), stale in self.batch_handoffs.items()
+                     if p in FROZEN}
+        assert not (set(returned) & protected), (returned, protected)
+        # only evictable hand-offs (to pending slots), the oldest first (one hand-off's params
+        # are equally old)
+        assert removed <= evictable, (removed, evictable)
+        kept = evictable - removed
+        if removed and kept:
+            assert max(self.keys[k][1] for k in removed) <= min(self.keys[k][1] for k in kept), \
+                (removed, kept, self.keys)
+        for (i, p) in removed:
+            self.holds[i].discard(p)
+            del self.keys[(i, p)]
+            self.batch_handoffs.pop((i, p), None)
+        expected = {p for (_, p) in removed if not self._live_holders(p)}
+        self._check_freed(returned, expected)
+        # it stops only once within budget, or when nothing evictable is left
+        if self._evictable():
+            assert self.lc.handoff_numel() <= self.budget
+
+    @precondition(lambda self: self.lc is not None)
+    @rule()
+    def drain(self):
+        live = list(self.holds)
+        expected = set()
+        for i in live:
+            expected |= self._retire(i)
+        report = self.lc.drain()
+        assert report.invocations == len(live)
+        self._check_freed(report.params, expected)
+        assert all(v == 0 for v in self.lc.size().values()), self.lc.size()
+        assert not any(self.lc.is_held(p) for p in PARAMS)
+        self.stack, self.slots, self.keys, self.batch_handoffs = [], {}, {}, {}
+        self.recompute_since_backward = False
+
+    # ------------------------------------------------------------------ invariants
+    @invariant()
+    def holds_match_the_model(self):
+        if self.lc is None:
+            return
+        live = self.lc.live()
+        assert {inv.id for inv in live} == set(self.holds)
+        for inv in live:
+            assert inv.state is self.state[inv.id] and inv.state is not State.CLOSED
+            assert inv.holds == self.holds[inv.id], (inv, inv.holds, self.holds[inv.id])
+        for p in PARAMS:
+            holders = {inv.id for inv in live if p in inv.holds}
+            assert self.lc.is_held(p) == bool(holders), p
+            assert self.lc.holders(p) == holders, (p, self.lc.holders(p), holders)
+            if self.external_sets is not None:
+                assert self.external_sets.get(p, set()) == holders
+
+    @invariant()
+    def closed_invocations_hold_nothing(self):
+        if self.lc is None:
+            return
+        live = {inv.id for inv in self.lc.live()}
+        for i, inv in self.invs.items():
+            if self.state[i] is State.CLOSED:
+                assert inv.state is State.CLOSED and inv.holds == set() and i not in live
+            else:
+                assert inv.state is self.state[i]
+
+    @invariant()
+    def bookkeeping_matches_the_model(self):
+        if self.lc is None:
+            return
+        assert [inv.id for inv in self.lc.call_stack] == self.stack
+        size = self.lc.size()
+        assert size["invocations"] == len(self.holds)
+        assert size["held_params"] == sum(1 for p in PARAMS if self._live_holders(p))
+        assert size["call_stack"] == len(self.stack)
+        assert size["handoffs"] == len(self.keys)
+        assert size["slot_modules"] == sum(
+            1 for ids in self.slots.values() if any(self.state[s] is not State.CLOSED for s in ids))
+        for m in MODULES:
+            assert [s.id for s in self.lc.pending_slots(m)] == [
+                s for s in self.slots.get(m, []) if self.state[s] is not State.CLOSED]
+            inner = next((i for i in reversed(self.stack) if self.invs[i].module == m), None)
+            assert self.lc.innermost_forward(m) is (self.invs[inner] if inner is not None else None)
+        assert self.lc.handoff_numel() == self._model_handoff_numel()
+
+
+TestLifecycleMachine = LifecycleMachine.TestCase
+TestLifecycleMachine.settings = settings(max_examples=200,
+                                         stateful_step_count=40,
+                                         deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,197 @@
+"""Shared pieces of the engine-level tests: small models, a plain-PyTorch reference, ZeRO probes.
+
+Everything here runs inside the harness's rank processes (DS_ACCELERATOR=cpu, gloo).
+"""
+
+import contextlib
+import copy
+import os
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DIM = 16
+MICRO_BATCH = 2
+LR = 0.5
+
+
+class FrozenLoraBlock(torch.nn.Module):
+    """A frozen norm and linear with a trainable, LoRA-like linear beside the frozen one."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.frozen = torch.nn.Linear(dim, dim)
+        self.lora = torch.nn.Linear(dim, dim, bias=False)
+        for param in [*self.norm.parameters(), *self.frozen.parameters()]:
+            param.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.frozen(h) + self.lora(h)
+
+
+class CheckpointedStack(torch.nn.Module):
+    """Blocks each checkpointed by the parent, a trainable head, and a squared-mean loss.
+
+    The head keeps the loss differentiable when a reentrant checkpoint gets an input that needs
+    no grad (its blocks then get no gradient, in plain PyTorch as under ZeRO).
+    """
+
+    def __init__(self, blocks=3, use_reentrant=False, dim=DIM, block=FrozenLoraBlock):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block(dim) for _ in range(blocks))
+        self.head = torch.nn.Linear(dim, dim, bias=False)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(x).float().pow(2).mean()
+
+
+def fork_disabled() -> bool:
+    return os.environ.get("ZERO3_AC_DISABLE", "") not in ("", "0")
+
+
+def assert_fork_state():
+    """Under the fork every rank must run it; under --stock none may."""
+    import zero3_ac
+    assert zero3_ac.is_active() != fork_disabled(), (
+        f"zero3_ac.is_active()={zero3_ac.is_active()} with ZERO3_AC_DISABLE={os.environ.get('ZERO3_AC_DISABLE')}")
+
+
+def zero_config(stage, dtype=torch.float32, gas=1, persistence=0, **zero_options):
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": persistence,
+            **zero_options
+        },
+    }
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def make_engine(model, config):
+    import deepspeed
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def micro_batches(count, world_size, dtype=torch.float32, requires_grad=False, dim=DIM, seed=0):
+    """``batches[i][r]``: micro-batch i of rank r, the same on every rank process."""
+    batches = []
+    for i in range(count):
+        generator = torch.Generator().manual_seed(seed + 1000 * i)
+        row = [torch.randn(MICRO_BATCH, dim, generator=generator).to(dtype) for _ in range(world_size)]
+        batches.append([x.requires_grad_(requires_grad) for x in row])
+    return batches
+
+
+def reference_deltas(model, batches, gas):
+    """Trainable-param updates of plain PyTorch on the data of every rank (data parallel mean)."""
+    model = copy.deepcopy(model).float()
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
+    for index, row in enumerate(batches):
+        loss = sum(model(x.float().detach().requires_grad_(x.requires_grad)) for x in row) / len(row)
+        (loss / gas).backward()
+        if (index + 1) % gas == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: param.detach() - initial[name] for name, param in model.named_parameters() if param.requires_grad}
+
+
+@contextlib.contextmanager
+def gathered(engine):
+    """Full values of the engine's params, whatever the ZeRO stage."""
+    import deepspeed
+    params = list(engine.module.parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(params):
+            yield
+    else:
+        yield
+
+
+def named_values(engine):
+    with gathered(engine):
+        return {name: param.detach().float().clone() for name, param in engine.module.named_parameters()}
+
+
+def assert_partitioned(engine, when):
+    """Every non-persistent param is partitioned and held by no invocation or module."""
+    if engine.zero_optimization_stage() != 3:
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    for name, param in engine.module.named_parameters():
+        if param.ds_persist:
+            continue
+        assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, (
+            f"{when}: {name} is still gathered ({param.ds_status}, held by {param.ds_active_sub_modules})")
+        assert not param.ds_active_sub_modules, f"{when}: {name} is held by {param.ds_active_sub_modules}"
+
+
+def assert_close_deltas(actual, expected, dtype, context=""):
+    rtol, atol = (1e-4, 1e-6) if dtype == torch.float32 else (5e-2, 5e-3)
+    for name, want in expected.items():
+        got = actual[name]
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            worst = (got - want).abs().max().item()
+            raise AssertionError(f"{context}{name}: update differs from plain PyTorch by up to {worst:.3g} "
+                                 f"(|update| max {want.abs().max().item():.3g}, rtol={rtol}, atol={atol})")
+
+
+class GatherLog:
+    """Counts the all-gathers of one engine's coordinator, stock or fork alike."""
+
+    _NAME = "_PartitionedParameterCoordinator__all_gather_params"
+
+    def __init__(self, engine):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        self.records = []
+        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+        inner = getattr(coordinator, self._NAME)
+
+        def all_gather_params(params, forward):
+            in_backward = torch._C._current_graph_task_id() != -1
+            for param in params:
+                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                    self.records.append((param, in_backward))
+            return inner(params, forward)
+
+        setattr(coordinator, self._NAME, all_gather_params)
+
+    def reset(self):
+        self.records.clear()
+
+    def backward_gathers(self, frozen_only=True):
+        counts = {}
+        for param, in_backward in self.records:
+            if in_backward and (not frozen_only or not param.requires_grad):
+                counts[param] = counts.get(param, 0) + 1
+        return counts
+
+    def assert_no_backward_regather(self, when):
+        again = {param.ds_id: count for param, count in self.backward_gathers().items() if count > 1}
+        assert not again, (f"{when}: frozen params gathered more than once during one backward "
+                           f"(ds_id: times): {again}")
+
+
+def assert_nothing_drained(engine, when):
+    """Under the fork: the end-of-backward drain must have found nothing to release."""
+    if fork_disabled() or engine.zero_optimization_stage() != 3:
+        return
+    import zero3_ac
+    stats = zero3_ac.lifecycle_stats(engine)
+    assert stats["total_drained_params"] == 0 and stats["total_swept_params"] == 0, (
+        f"{when}: the drain released params still gathered: {stats}")
