@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Set up the DeepSpeed 0.19.8 venv (scripts/setup_env.sh) and run examples/demo.py on CPU.
+# Set up a venv per DeepSpeed version (scripts/setup_env.sh) and run examples/demo.py on CPU in each:
+# stock DeepSpeed vs the fork, side by side.
 #   bash scripts/demo.sh [demo args...]
+#   ZERO3_AC_DS_VERSIONS=0.19.8 bash scripts/demo.sh --steps 6
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-DSVER=0.19.8
-bash "$REPO/scripts/setup_env.sh" "$DSVER" >/dev/null
 cd "$REPO"
 export DS_ACCELERATOR=cpu
-export TORCH_EXTENSIONS_DIR=$REPO/.cache/torch_extensions/ds-$DSVER
-exec "$REPO/.venv/ds-$DSVER/bin/python" examples/demo.py "$@"
+for DSVER in ${ZERO3_AC_DS_VERSIONS:-0.19.2 0.19.8}; do
+    echo "================================================================ DeepSpeed $DSVER"
+    bash "$REPO/scripts/setup_env.sh" "$DSVER" >/dev/null
+    TORCH_EXTENSIONS_DIR=$REPO/.cache/torch_extensions/ds-$DSVER \
+        "$REPO/.venv/ds-$DSVER/bin/python" examples/demo.py "$@"
+done

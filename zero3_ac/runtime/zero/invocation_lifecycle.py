@@ -303,10 +303,12 @@ class InvocationLifecycle:
             holders = self._holder_set(param)
             holders.discard(inv.id)
             holders.add(slot.id)
+            key = (slot.id, param)
+            if key in self._handoffs or param not in slot.holds:
+                # A repeated hand-off is re-stamped: the running batch references the param now.
+                self._handoffs.pop(key, None)
+                self._handoffs[key] = self._batch
             slot.holds.add(param)
-            # Re-stamped even if the slot held it already: the running batch references it now.
-            self._handoffs.pop((slot.id, param), None)
-            self._handoffs[(slot.id, param)] = self._batch
         inv.holds = set()
         inv.state = State.CLOSED
         del self._live[inv.id]
