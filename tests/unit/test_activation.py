@@ -95,7 +95,7 @@ def apply_after_engine_case():
     if activation.disabled_by_env():
         return "skipped"
     zero3_ac.remove()
-    stock_engine = make_engine(CheckpointedStack(), zero_config(3))
+    stock_engine = make_engine(CheckpointedStack(use_reentrant=True), zero_config(3))
     warnings = []
     original_warning = logger.warning
     logger.warning = lambda message, *args, **kwargs: warnings.append(message)
@@ -104,7 +104,7 @@ def apply_after_engine_case():
     finally:
         logger.warning = original_warning
     assert any("engines created from now on" in message for message in warnings), warnings
-    fork_engine = make_engine(CheckpointedStack(), zero_config(3))
+    fork_engine = make_engine(CheckpointedStack(use_reentrant=True), zero_config(3))
     assert zero3_ac.lifecycle_stats(stock_engine) is None
     assert zero3_ac.lifecycle_stats(fork_engine) is not None
     x = micro_batches(1, 1, requires_grad=True)[0][0]

@@ -1,0 +1,288 @@
+"""Stock DeepSpeed vs deepspeed-zero3-ac, side by side in one run: step time, memory, all-gathers.
+
+One process per rank runs every configuration in A/B order (stock, fork, stock, fork, ...), each
+with warm-up steps and then measured steps, so that drift hits both sides alike. The fork is
+switched with ``zero3_ac.apply()`` / ``zero3_ac.remove()`` between engines (an engine keeps the
+hooks it was created with).
+
+    python benchmarks/bench.py --device cpu                    # tiny model, proxy metrics
+    python benchmarks/bench.py --device cuda --nproc 2 --model tinyllama --out benchmarks/results/x.jsonl
+
+Metrics per configuration (medians over measured steps):
+- step_s, tokens_per_s;
+- peak_mem_gib: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the peak of gathered param bytes;
+- allgather_gib_per_step: bytes of every ``torch.distributed.all_gather_into_tensor`` output;
+- gathered_gib_by_phase: bytes of params the ZeRO-3 coordinator gathered, by forward /
+  recompute / backward (the same meter for stock and fork).
+"""
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+
+MODELS = {
+    # TinyLlama-1.1B shape.
+    "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256),
+}
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+STRICT = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+
+
+def configurations(include_full=True):
+    """(name, ac, strict, full) in the order they run; each runs for stock and fork back to back."""
+    runs = [(ac, strict, False) for strict in (False, True) for ac in ("nonreentrant", "reentrant", "none")]
+    if include_full:
+        runs += [("nonreentrant", False, True), ("reentrant", False, True)]
+    return runs
+
+
+class Meter:
+    """All-gather bytes (torch.distributed) and coordinator gathers by phase, for one engine."""
+
+    def __init__(self):
+        self.allgather_bytes = 0
+        self.allgather_calls = 0
+        self.phase_bytes = {"forward": 0, "recompute": 0, "backward": 0}
+        self.live = 0
+        self.peak_live = 0
+        stock = torch.distributed.all_gather_into_tensor
+
+        def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
+            self.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
+            self.allgather_calls += 1
+            return stock(output_tensor, input_tensor, *args, **kwargs)
+
+        torch.distributed.all_gather_into_tensor = all_gather_into_tensor
+
+    def attach(self, engine):
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        self.live = sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
+                        if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+        self.peak_live = self.live
+        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+        prefix = "_PartitionedParameterCoordinator__"
+        gather, release = getattr(coordinator, prefix + "all_gather_params"), getattr(coordinator,
+                                                                                     prefix + "release_param")
+
+        def nbytes(param):
+            return param.ds_numel * param.element_size()
+
+        def all_gather_params(params, forward):
+            if torch._C._current_graph_task_id() == -1:
+                phase = "forward"
+            else:
+                phase = "recompute" if forward else "backward"
+            for param in params:
+                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                    self.phase_bytes[phase] += nbytes(param)
+                    if not param.ds_persist:
+                        self.live += nbytes(param)
+            self.peak_live = max(self.peak_live, self.live)
+            return gather(params, forward)
+
+        def release_param(param, free_data=True):
+            was_gathered = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
+            release(param, free_data)
+            if was_gathered and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                self.live -= nbytes(param)
+
+        setattr(coordinator, prefix + "all_gather_params", all_gather_params)
+        setattr(coordinator, prefix + "release_param", release_param)
+
+    def take(self):
+        taken = dict(allgather_bytes=self.allgather_bytes, allgather_calls=self.allgather_calls,
+                     phase_bytes=dict(self.phase_bytes), peak_live=self.peak_live)
+        self.allgather_bytes = self.allgather_calls = 0
+        self.phase_bytes = dict.fromkeys(self.phase_bytes, 0)
+        self.peak_live = self.live
+        return taken
+
+
+def build_model(model_name, ac, full, dtype, device):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**MODELS[model_name])).to(dtype)
+    if ac != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ac == "reentrant"})
+        if ac == "reentrant":
+            model.enable_input_require_grads()
+    if not full:
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    return model
+
+
+def run_one(args, meter, impl, ac, strict, full, rank, world_size):
+    import deepspeed
+    import zero3_ac
+    if impl == "fork":
+        zero3_ac.apply()
+    else:
+        zero3_ac.remove()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build_model(args.model, ac, full, dtype, args.device)
+    zero = {"stage": 3, **(STRICT if strict else {})}
+    if args.device == "cpu":
+        zero["stage3_param_persistence_threshold"] = 0
+    config = {"train_micro_batch_size_per_gpu": args.mbs, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "zero_optimization": zero}
+    if dtype == torch.bfloat16:
+        config["bf16"] = {"enabled": True}
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    meter.attach(engine)
+    generator = torch.Generator().manual_seed(1234 + rank)
+    vocab = MODELS[args.model]["vocab_size"]
+    times, samples, error, loss = [], [], None, float("nan")
+    device = engine.device
+    try:
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(0, vocab, (args.mbs, args.seq), generator=generator).to(device)
+            if step == args.warmup:
+                meter.take()
+                if args.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            if step >= args.warmup:
+                times.append(elapsed)
+                samples.append(meter.take())
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    result = dict(impl=impl, ac=ac, strict=strict, full=full, error=error)
+    if not error:
+        steps = len(times)
+        step_s = statistics.median(times)
+        gib = 1024**3
+        result.update(
+            step_s_median=step_s, step_s_min=min(times),
+            tokens_per_s=world_size * args.mbs * args.seq / step_s,
+            allgather_gib_per_step=sum(s["allgather_bytes"] for s in samples) / steps / gib,
+            allgather_calls_per_step=sum(s["allgather_calls"] for s in samples) / steps,
+            gathered_gib_by_phase={phase: sum(s["phase_bytes"][phase] for s in samples) / steps / gib
+                                   for phase in samples[0]["phase_bytes"]},
+            peak_gathered_gib=max(s["peak_live"] for s in samples) / gib,
+            last_loss=float(loss.item()))
+        if args.device == "cuda":
+            result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / gib
+        stats = zero3_ac.lifecycle_stats(engine)
+        if stats is not None:
+            result["fork_drained_params"] = stats["total_drained_params"]
+            result["fork_swept_params"] = stats["total_swept_params"]
+    engine.destroy()
+    del engine, model, optimizer
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def worker(rank, world_size, port, args, queue):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if args.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        torch.cuda.set_device(rank)
+    import warnings
+    warnings.filterwarnings("ignore")
+    meter = Meter()
+    import deepspeed
+    from deepspeed.utils import logger
+    from transformers.utils import logging as hf_logging
+    logger.setLevel("ERROR")
+    hf_logging.set_verbosity_error()
+    deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
+    runs = configurations(include_full=not args.no_full)
+    for round_index in range(args.rounds):
+        for ac, strict, full in runs:
+            for impl in ("stock", "fork"):
+                result = run_one(args, meter, impl, ac, strict, full, rank, world_size)
+                if rank == 0:
+                    result.update(round=round_index, model=args.model, seq=args.seq, mbs=args.mbs,
+                                  world_size=world_size, ds=deepspeed.__version__, torch=torch.__version__)
+                    queue.put(result)
+    if rank == 0:
+        queue.put(None)
+
+
+def label(result):
+    kind = "full FT" if result["full"] else "LoRA"
+    return f"{result['impl']:<5} {kind:<7} {result['ac']:<12} {'strict' if result['strict'] else 'default':<7}"
+
+
+def print_row(result):
+    if result["error"]:
+        print(f"{label(result)}  ERROR {result['error']}", flush=True)
+        return
+    phases = result["gathered_gib_by_phase"]
+    mem = result.get("peak_mem_gib", result["peak_gathered_gib"])
+    print(f"{label(result)}  {result['step_s_median']:7.3f}s {result['tokens_per_s']:9.0f} tok/s  "
+          f"mem {mem:7.3f} GiB  all-gather {result['allgather_gib_per_step']:7.3f} GiB  "
+          f"fwd/rec/bwd {phases['forward']:.3f}/{phases['recompute']:.3f}/{phases['backward']:.3f} GiB", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--mbs", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=1, help="A/B rounds over all configurations")
+    parser.add_argument("--no-full", action="store_true", help="skip the full fine-tune pair")
+    parser.add_argument("--out", default=None, help="JSON lines output")
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.model = args.model or ("tinyllama" if gpu else "tiny")
+    args.seq = args.seq or (2048 if gpu else 64)
+    args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
+    args.steps = args.steps if args.steps is not None else (6 if gpu else 2)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.SimpleQueue()
+    processes = [context.Process(target=worker, args=(rank, args.nproc, port, args, queue)) for rank in range(args.nproc)]
+    for process in processes:
+        process.start()
+    results = []
+    total = args.rounds * len(configurations(not args.no_full)) * 2
+    while True:
+        result = queue.get()
+        if result is None:
+            break
+        results.append(result)
+        print(f"[{len(results)}/{total}] ", end="")
+        print_row(result)
+    for process in processes:
+        process.join()
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as out:
+            for result in results:
+                out.write(json.dumps(result) + "\n")
+    return 0 if len(results) == total else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
