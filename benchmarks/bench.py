@@ -108,11 +108,17 @@ class Meter:
         return taken
 
 
-def build_model(model_name, ac, full, dtype, device):
+def build_model(model_name, ac, full, dtype, ds_config=None):
+    """The model in ``dtype``; with ``ds_config``, created already partitioned (``zero.Init``)."""
+    import contextlib
+    import deepspeed
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**MODELS[model_name])).to(dtype)
+    init = deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype) if ds_config else contextlib.nullcontext()
+    with init:
+        model = LlamaForCausalLM(LlamaConfig(**MODELS[model_name]))
+    model = model.to(dtype)
     if ac != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ac == "reentrant"})
         if ac == "reentrant":
@@ -130,7 +136,6 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
     else:
         zero3_ac.remove()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = build_model(args.model, ac, full, dtype, args.device)
     zero = {"stage": 3, **(STRICT if strict else {})}
     if args.device == "cpu":
         zero["stage3_param_persistence_threshold"] = 0
@@ -138,6 +143,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
               "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "zero_optimization": zero}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
+    model = build_model(args.model, ac, full, dtype, ds_config=config if args.device == "cuda" else None)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     meter.attach(engine)
