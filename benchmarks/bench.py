@@ -193,6 +193,10 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
             result["fork_drained_params"] = stats["total_drained_params"]
             result["fork_swept_params"] = stats["total_swept_params"]
     engine.destroy()
+    # Stock DeepSpeed never takes the root module off its global module stack, which would keep
+    # every engine's model alive across configurations; the benchmark does it for both sides.
+    from deepspeed.runtime.zero import parameter_offload
+    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if m is not engine.module]
     del engine, model, optimizer
     gc.collect()
     if args.device == "cuda":

@@ -73,18 +73,26 @@ class _GradBoundary(torch.autograd.Function):
 
 class _InputBoundary:
     """The grad-requiring inputs of one forward call, and the slot they close once it exists."""
-    __slots__ = ("tensors", "slot")
+    __slots__ = ("wrapped", "slot")
 
     def __init__(self):
-        self.tensors = []
+        self.wrapped = []
         self.slot = None
 
     def wrap(self, tensor):
         if not tensor.requires_grad:
             return tensor
         wrapped = _GradBoundary.apply(tensor)
-        self.tensors.append(wrapped)
+        self.wrapped.append(wrapped)
         return wrapped
+
+    def close_slot_when_done(self, hooks):
+        # Keep no tensor here: the hook lives on those tensors, and a cycle through them would
+        # keep this call's activations alive until the garbage collector runs.
+        tensors, self.wrapped = self.wrapped, None
+        torch.autograd.graph.register_multi_grad_hook(tensors,
+                                                      lambda grads: self.slot and hooks.close_slot(self.slot),
+                                                      mode="all")
 
 
 def _top_level_tensors(output):
@@ -167,12 +175,10 @@ class ModuleInvocationHooks:
         boundary = _InputBoundary()
         args = apply_to_tensors_only(boundary.wrap, args)
         kwargs = apply_to_tensors_only(boundary.wrap, kwargs)
-        if not boundary.tensors:
+        if not boundary.wrapped:
             return None
         invocation.context = boundary
-        torch.autograd.graph.register_multi_grad_hook(boundary.tensors,
-                                                      lambda grads: boundary.slot and self.close_slot(boundary.slot),
-                                                      mode="all")
+        boundary.close_slot_when_done(self)
         return args, kwargs
 
     def post_forward(self, module, args, output):
