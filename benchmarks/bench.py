@@ -143,6 +143,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
               "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "zero_optimization": zero}
     if dtype == torch.bfloat16:
         config["bf16"] = {"enabled": True}
+    baseline = torch.cuda.memory_allocated() if args.device == "cuda" else 0
     model = build_model(args.model, ac, full, dtype, ds_config=config if args.device == "cuda" else None)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -187,7 +188,9 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
             peak_gathered_gib=max(s["peak_live"] for s in samples) / gib,
             last_loss=float(loss.item()))
         if args.device == "cuda":
-            result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / gib
+            # Less what earlier engines left allocated: the peak this engine alone needs.
+            result["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - baseline) / gib
+            result["leftover_before_gib"] = baseline / gib
         stats = zero3_ac.lifecycle_stats(engine)
         if stats is not None:
             result["fork_drained_params"] = stats["total_drained_params"]

@@ -30,7 +30,8 @@ def outcomes(junit):
     results = collections.defaultdict(collections.Counter)
     errors = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{re.sub(r'\[.*', '', case.get('name'))}"
+        test = re.sub(r"\[.*", "", case.get("name"))
+        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{test}"
         failure = case.find("failure") if case.find("failure") is not None else case.find("error")
         if case.find("skipped") is not None:
             results[name]["skipped"] += 1

@@ -101,6 +101,7 @@ class InvocationLifecycle:
         # (slot id, param) -> recompute batch, in hand-off order: the eviction queue.
         self._handoffs: Dict[Tuple[int, Hashable], int] = {}
         self._batch = 0
+        self._latest_recompute_batch = 0
         self._recompute_since_backward = False
 
     # ------------------------------------------------------------------ queries
@@ -157,6 +158,7 @@ class InvocationLifecycle:
         phase = Phase.RECOMPUTE if in_backward else Phase.FORWARD
         if in_backward:
             self._recompute_since_backward = True
+            self._latest_recompute_batch = self._batch
         inv = self._new(module, phase, State.OPEN, replay=replay)
         inv.stack_depth = stack_depth
         self._call_stack.append(inv)
@@ -237,9 +239,10 @@ class InvocationLifecycle:
     def evict_over_budget(self) -> List[Hashable]:
         """Drop the oldest hand-offs while their size exceeds the budget.
 
-        Hand-offs of the recompute batch still running that hold a frozen param are never
-        dropped: the checkpoint compares the recomputed tensors, that param among them, when the
-        recompute ends. An evicted param is gathered again by its slot when that opens.
+        Hand-offs of the latest recompute batch are never dropped: while it runs, the checkpoint
+        still has to compare the recomputed tensors (frozen params among them) when it ends, and
+        right after it, its backward is the next consumer, so dropping them would only buy a
+        gather. Older batches are dropped oldest first; their slots gather again when they open.
         """
         if self.max_handoff_numel is None:
             return []
@@ -248,7 +251,7 @@ class InvocationLifecycle:
         for (slot_id, param), batch in list(self._handoffs.items()):
             if over <= 0:
                 break
-            if batch == self._batch and self._recompute_since_backward and self._frozen(param):
+            if batch >= self._latest_recompute_batch:
                 continue
             slot = self._live.get(slot_id)
             if slot is None or slot.state is not State.PENDING:

@@ -406,3 +406,18 @@ def fault_case(fault, use_reentrant):
 @pytest.mark.parametrize("fault", ["recompute", "backward"])
 def test_next_step_runs_clean_after_a_fault(fault, use_reentrant):
     run_distributed(WORLD_SIZE, fault_case, fault, use_reentrant)
+
+
+# ---------------------------------------------------------------------------- live-parameter budget
+STRICT = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+
+
+def strict_budget_case(use_reentrant):
+    torch.manual_seed(11)
+    train_and_check(CheckpointedStack(blocks=4, use_reentrant=use_reentrant), zero_options=STRICT)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_strict_live_budget_keeps_a_region_from_recompute_to_backward(use_reentrant):
+    """With no live-parameter budget at all, a region's recompute still serves its backward."""
+    run_distributed(WORLD_SIZE, strict_budget_case, use_reentrant)

@@ -418,10 +418,17 @@ def test_handoff_numel_ignores_params_a_slot_holds_without_a_handoff():
     assert lc.handoff_numel() == 0
 
 
+def start_new_batch(lc):
+    """End the running recompute batch and start another (a backward event, then a recompute)."""
+    lc.reap_aborted()
+    lc.close_forward(recompute(lc, "next-region", [], replay=True))
+
+
 def test_evict_drops_oldest_handoffs_first_until_under_budget():
     lc = budget_lc(3)
     s1 = replay_handoff(lc, "m1", {"w1"})
     s2 = replay_handoff(lc, "m2", {"w2"})
+    start_new_batch(lc)
     s3 = replay_handoff(lc, "m3", {"w3"})
     assert lc.handoff_numel() == 6
     assert lc.evict_over_budget() == ["w1", "w2"]  # 6 -> 5 -> 3
@@ -443,6 +450,7 @@ def test_evicted_param_still_held_by_another_slot_is_not_returned():
     lc = budget_lc(0)
     s1 = replay_handoff(lc, "m1", {"w1"})
     s2 = replay_handoff(lc, "m2", {"w1"})
+    start_new_batch(lc)
     assert lc.evict_over_budget() == ["w1"]  # both hand-offs dropped, freed once
     assert s1.holds == set() and s2.holds == set()
 
@@ -455,13 +463,13 @@ def test_evict_keeps_a_handoff_whose_param_a_live_forward_also_holds_out_of_the_
     assert lc.evict_over_budget() == []
 
 
-def test_frozen_handoffs_of_the_running_recompute_batch_are_never_evicted():
+def test_handoffs_of_the_latest_recompute_batch_are_never_evicted():
     lc = budget_lc(0, frozen={"f1"})
     slot = replay_handoff(lc, "m1", {"f1", "w1"})
-    assert lc.evict_over_budget() == ["w1"]  # the trainable one goes at once
-    assert slot.holds == {"f1"}
-    assert lc.evict_over_budget() == []  # still the same batch: f1 stays
-    assert lc.is_held("f1")
+    assert lc.evict_over_budget() == []  # running: frozen and trainable stay
+    lc.reap_aborted()
+    assert lc.evict_over_budget() == []  # finished, but its backward is the next consumer
+    assert slot.holds == {"f1", "w1"} and lc.is_held("f1")
 
 
 def test_frozen_handoffs_stay_across_recomputes_of_the_same_batch():
@@ -473,7 +481,7 @@ def test_frozen_handoffs_stay_across_recomputes_of_the_same_batch():
 
 
 @pytest.mark.parametrize("end_of_batch", ["reap_aborted", "open_backward", "close_backward"])
-def test_frozen_handoffs_may_be_evicted_once_the_batch_ends(end_of_batch):
+def test_frozen_handoffs_may_be_evicted_once_a_newer_batch_runs(end_of_batch):
     lc = budget_lc(0, frozen={"f1"})
     slot = replay_handoff(lc, "m1", {"f1"})
     other = lc.new_slot("m9")
@@ -481,6 +489,7 @@ def test_frozen_handoffs_may_be_evicted_once_the_batch_ends(end_of_batch):
         lc.reap_aborted()
     else:
         getattr(lc, end_of_batch)(other)
+    lc.close_forward(recompute(lc, "next-region", [], replay=True))
     assert lc.evict_over_budget() == ["f1"]
     assert slot.holds == set() and not lc.is_held("f1")
 
@@ -494,12 +503,12 @@ def test_frozen_handoff_of_an_older_batch_is_evicted_during_a_new_batch():
     assert old.holds == set() and new.holds == {"f2"}
 
 
-def test_trainable_handoffs_can_be_evicted_any_time():
+def test_trainable_handoffs_of_the_running_batch_stay_too():
     lc = budget_lc(0)
     slot = replay_handoff(lc, "m1", {"w1"})
     running = recompute(lc, "m2", [], replay=True)  # batch still running, recompute still open
-    assert lc.evict_over_budget() == ["w1"]
-    assert slot.holds == set()
+    assert lc.evict_over_budget() == []
+    assert slot.holds == {"w1"}
     assert running.state is State.OPEN
 
 
@@ -517,6 +526,7 @@ def test_an_open_slot_is_skipped_while_evicting_newer_pending_handoffs():
     opened = replay_handoff(lc, "m1", {"w1"})  # the oldest hand-off...
     lc.open_backward(opened)  # ...but its slot is open now
     pending = replay_handoff(lc, "m2", {"w2"})
+    start_new_batch(lc)
     assert lc.evict_over_budget() == ["w2"]
     assert opened.holds == {"w1"} and pending.holds == set()
     assert lc.is_held("w1")
@@ -525,6 +535,7 @@ def test_an_open_slot_is_skipped_while_evicting_newer_pending_handoffs():
 def test_eviction_leaves_the_slot_pending_and_closable():
     lc = budget_lc(0)
     slot = replay_handoff(lc, "m1", {"w1"})
+    start_new_batch(lc)
     assert lc.evict_over_budget() == ["w1"]
     assert slot.state is State.PENDING
     lc.open_backward(slot)
@@ -539,6 +550,7 @@ def test_evict_stops_once_handoff_numel_is_within_budget():
     lc.hold(direct, ["w1"])  # a pending slot holding w1 itself (not through a hand-off)
     replay_handoff(lc, "m1", {"w1"})
     late = replay_handoff(lc, "m2", {"w2"})
+    start_new_batch(lc)
     assert lc.handoff_numel() == 2
     lc.evict_over_budget()
     # dropping the hand-off of w1 already brings the size to 1 <= budget: w2 must stay
@@ -585,6 +597,7 @@ def test_holder_set_is_emptied_by_drain_and_eviction():
     sets = {}
     lc = InvocationLifecycle(holder_set=lambda p: sets.setdefault(p, set()), max_handoff_numel=0)
     replay_handoff(lc, "m1", {"w1"})
+    start_new_batch(lc)
     forward(lc, "m2", ["w2"])
     assert lc.evict_over_budget() == ["w1"]
     assert sets["w1"] == set()
@@ -667,6 +680,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.keys = {}  # (slot id, param) -> (batch, hand-off number): the hand-off stamps
         self.handoff_events = 0
         self.batch = 0
+        self.latest_recompute_batch = 0
         self.recompute_since_backward = False
         self.batch_handoffs = {}  # (slot id, param) -> stale?, hand-offs of the running batch
         self.freed = set()  # returned as freed and not held since
@@ -745,12 +759,12 @@ class LifecycleMachine(RuleBasedStateMachine):
                 (not open_only or self.state[i] is not State.CLOSED)]
 
     def _evictable(self):
-        """Hand-offs the budget may drop (pending slot, not frozen-of-this-batch)."""
+        """Hand-offs the budget may drop (pending slot, older than the latest recompute batch)."""
         out = set()
         for (s, p), (batch, _) in self.keys.items():
             if self.state[s] is not State.PENDING:
                 continue
-            if p in FROZEN and self.recompute_since_backward and batch == self.batch:
+            if batch >= self.latest_recompute_batch:
                 continue
             out.add((s, p))
         return out
@@ -778,6 +792,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.stack.append(inv.id)
         if in_backward:
             self.recompute_since_backward = True
+            self.latest_recompute_batch = self.batch
         assert self.lc.innermost_forward(module) is inv
 
     @rule(module=st.sampled_from(MODULES))
