@@ -36,7 +36,7 @@ from deepspeed.utils import logger, z3_leaf_module
 
 from zero3_ac.runtime.zero import autograd_context
 from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
-from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams
+from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
 
 LIFECYCLE_ATTR = "_zero3_ac_hooks"
 
@@ -190,6 +190,7 @@ class ModuleInvocationHooks:
         slot = None
         if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
             slot = self._new_slot(module, invocation.context)
+        if slot is not None:
             output = apply_to_tensors_only(
                 lambda tensor: _OpenSlotOnGrad.apply(self, slot, tensor) if tensor.requires_grad else tensor, output)
         self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
@@ -198,15 +199,24 @@ class ModuleInvocationHooks:
         return output
 
     def _new_slot(self, module, boundary):
-        slot = self.lifecycle.new_slot(module)
+        """The call's backward slot, or None when its backward cannot need any param.
+
+        With no grad-requiring input and no trainable param, an output can require grad only
+        because a hook made it (``enable_input_require_grads`` on a frozen embedding): its
+        backward runs no node of this call.
+        """
         if boundary is not None:
+            slot = self.lifecycle.new_slot(module)
             boundary.slot = slot
             return slot
         trainable = {param for param in module.parameters() if param.requires_grad}
-        if trainable:
-            slot.context = trainable
-            for param in trainable:
-                self._slots_awaiting_grad.setdefault(param, []).append(slot)
+        trainable.update(param for param in module_params(module) if param.requires_grad)
+        if not trainable:
+            return None
+        slot = self.lifecycle.new_slot(module)
+        slot.context = trainable
+        for param in trainable:
+            self._slots_awaiting_grad.setdefault(param, []).append(slot)
         return slot
 
     def _register_external_outputs(self, module, output):

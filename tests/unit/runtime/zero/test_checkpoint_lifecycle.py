@@ -421,3 +421,29 @@ def strict_budget_case(use_reentrant):
 def test_strict_live_budget_keeps_a_region_from_recompute_to_backward(use_reentrant):
     """With no live-parameter budget at all, a region's recompute still serves its backward."""
     run_distributed(WORLD_SIZE, strict_budget_case, use_reentrant)
+
+
+# ---------------------------------------------------------------------------- HF's enable_input_require_grads
+class EmbeddedStack(torch.nn.Module):
+    """A frozen embedding whose output a hook makes require grad, as HF's
+    ``enable_input_require_grads`` does for PEFT, then checkpointed LoRA-like blocks."""
+
+    def __init__(self, use_reentrant, vocab=32):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab, DIM)
+        self.embedding.weight.requires_grad_(False)
+        self.embedding.register_forward_hook(lambda module, args, output: output.requires_grad_(True))
+        self.stack = CheckpointedStack(blocks=2, use_reentrant=use_reentrant)
+
+    def forward(self, x):
+        return self.stack(self.embedding((x.detach().abs() * 7).long() % 32))
+
+
+def embedded_stack_case(use_reentrant):
+    torch.manual_seed(12)
+    train_and_check(EmbeddedStack(use_reentrant), input_requires_grad=False)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_frozen_embedding_made_to_require_grad_by_a_hook(use_reentrant):
+    run_distributed(WORLD_SIZE, embedded_stack_case, use_reentrant)

@@ -1,0 +1,23 @@
+"""The benchmark's CPU mode runs end to end (a smoke test: no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_cpu_benchmark_runs_every_configuration_and_the_fork_gathers_less(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    command = [sys.executable, os.path.join(REPO, "benchmarks", "bench.py"), "--device", "cpu", "--no-full",
+               "--warmup", "1", "--steps", "1", "--out", str(out)]
+    subprocess.run(command, check=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                   stdout=subprocess.DEVNULL)
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(results) == 12 and not any(r["error"] for r in results), [r["error"] for r in results]
+    by_key = {(r["impl"], r["ac"], r["strict"]): r for r in results}
+    for strict in (False, True):
+        stock, fork = by_key[("stock", "nonreentrant", strict)], by_key[("fork", "nonreentrant", strict)]
+        assert fork["allgather_gib_per_step"] <= stock["allgather_gib_per_step"]
+        assert fork["fork_drained_params"] == 0 and fork["fork_swept_params"] == 0
