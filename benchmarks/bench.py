@@ -47,14 +47,12 @@ def configurations(include_full=True):
 
 
 class Meter:
-    """All-gather bytes (torch.distributed) and coordinator gathers by phase, for one engine."""
+    """All-gather bytes (torch.distributed) and, through GatherMeter, coordinator gathers by phase."""
 
     def __init__(self):
         self.allgather_bytes = 0
         self.allgather_calls = 0
-        self.phase_bytes = {"forward": 0, "recompute": 0, "backward": 0}
-        self.live = 0
-        self.peak_live = 0
+        self.gathers = None
         stock = torch.distributed.all_gather_into_tensor
 
         def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
@@ -65,46 +63,14 @@ class Meter:
         torch.distributed.all_gather_into_tensor = all_gather_into_tensor
 
     def attach(self, engine):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        self.live = sum(p.ds_numel * p.element_size() for p in engine.module.parameters()
-                        if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
-        self.peak_live = self.live
-        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-        prefix = "_PartitionedParameterCoordinator__"
-        gather, release = getattr(coordinator, prefix + "all_gather_params"), getattr(coordinator,
-                                                                                     prefix + "release_param")
-
-        def nbytes(param):
-            return param.ds_numel * param.element_size()
-
-        def all_gather_params(params, forward):
-            if torch._C._current_graph_task_id() == -1:
-                phase = "forward"
-            else:
-                phase = "recompute" if forward else "backward"
-            for param in params:
-                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                    self.phase_bytes[phase] += nbytes(param)
-                    if not param.ds_persist:
-                        self.live += nbytes(param)
-            self.peak_live = max(self.peak_live, self.live)
-            return gather(params, forward)
-
-        def release_param(param, free_data=True):
-            was_gathered = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
-            release(param, free_data)
-            if was_gathered and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                self.live -= nbytes(param)
-
-        setattr(coordinator, prefix + "all_gather_params", all_gather_params)
-        setattr(coordinator, prefix + "release_param", release_param)
+        from zero3_ac.utils.gather_meter import GatherMeter
+        self.gathers = GatherMeter(engine)
 
     def take(self):
+        gathered = self.gathers.take()
         taken = dict(allgather_bytes=self.allgather_bytes, allgather_calls=self.allgather_calls,
-                     phase_bytes=dict(self.phase_bytes), peak_live=self.peak_live)
+                     phase_bytes=gathered["phase_bytes"], peak_live=gathered["peak_bytes"])
         self.allgather_bytes = self.allgather_calls = 0
-        self.phase_bytes = dict.fromkeys(self.phase_bytes, 0)
-        self.peak_live = self.live
         return taken
 
 

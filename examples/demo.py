@@ -33,35 +33,6 @@ def build_model(seed=0):
     return get_peft_model(model, lora)
 
 
-class GatherMeter:
-    """All-gathered bytes of one engine by phase; works on stock and fork alike."""
-
-    _NAME = "_PartitionedParameterCoordinator__all_gather_params"
-
-    def __init__(self, engine):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        self.bytes = dict.fromkeys(("forward", "recompute", "backward"), 0)
-        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-        inner = getattr(coordinator, self._NAME)
-
-        def all_gather_params(params, forward):
-            if torch._C._current_graph_task_id() == -1:
-                phase = "forward"
-            else:
-                phase = "recompute" if forward else "backward"
-            for param in params:
-                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                    self.bytes[phase] += param.ds_numel * param.element_size()
-            return inner(params, forward)
-
-        setattr(coordinator, self._NAME, all_gather_params)
-
-    def take(self):
-        taken = dict(self.bytes)
-        self.bytes = dict.fromkeys(self.bytes, 0)
-        return taken
-
-
 def gathered_params(engine):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     return sum(1 for p in engine.module.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist)
@@ -77,6 +48,7 @@ def run_rank(rank, world_size, port, mode, steps, queue):
     import deepspeed
     from deepspeed.utils import logger
     from transformers.utils import logging as hf_logging
+    from zero3_ac.utils.gather_meter import GatherMeter
     logger.setLevel("ERROR")
     hf_logging.set_verbosity_error()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -91,7 +63,7 @@ def run_rank(rank, world_size, port, mode, steps, queue):
     }
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    meter = GatherMeter(engine)
+    meter = GatherMeter(engine)  # the same instrument for stock and fork
     generator = torch.Generator().manual_seed(rank)
     for step in range(steps):
         ids = torch.randint(0, 256, (2, 32), generator=generator)
@@ -101,13 +73,13 @@ def run_rank(rank, world_size, port, mode, steps, queue):
             engine.backward(loss)
             engine.step()
         except Exception as error:
-            row.update(status=f"crash: {type(error).__name__}", loss=float("nan"), **meter.take())
+            row.update(status=f"crash: {type(error).__name__}", loss=float("nan"), **meter.take()["phase_bytes"])
             if rank == 0:
                 queue.put(row)
                 queue.put(("detail", mode, traceback.format_exception_only(type(error), error)[-1].strip()))
             break
         leaked = gathered_params(engine)
-        row.update(status=f"leak: {leaked} params" if leaked else "ok", loss=loss.item(), **meter.take())
+        row.update(status=f"leak: {leaked} params" if leaked else "ok", loss=loss.item(), **meter.take()["phase_bytes"])
         if rank == 0:
             queue.put(row)
     if rank == 0:

@@ -20,7 +20,7 @@ MODES = (("stock", ["--stock"]), ("fork", []))
 
 
 def run(version, mode_args, extra, junit):
-    env = {**os.environ, "ZERO3_AC_DS_VERSIONS": version}
+    env = {**os.environ, "ZERO3_AC_DS_VERSIONS": version, "ZERO3_AC_TEST_CALL_TIMEOUT": "90"}
     command = ["bash", os.path.join(REPO, "scripts", "test.sh"), f"--junitxml={junit}", *mode_args, *extra]
     subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -46,7 +46,9 @@ monkeypatches, DeepSpeed singletons) is visible to later calls on the same
 pool.
 
 Knobs (environment): ZERO3_AC_TEST_ERROR_GRACE (default 5 s) and
-ZERO3_AC_TEST_INIT_TIMEOUT (pool start-up incl. a first comm-op build, default
+ZERO3_AC_TEST_CALL_TIMEOUT (one call, default 600 s; scripts/stock_table.py lowers it,
+since stock DeepSpeed can hang a rank in a collective), ZERO3_AC_TEST_INIT_TIMEOUT (pool
+start-up incl. a first comm-op build, default
 600 s) are read by the parent at import; ZERO3_AC_TEST_PRELOAD (comma-separated
 modules, e.g. "transformers,peft") is imported by each worker at start-up,
 before ``gc.freeze()``, which keeps the per-call ``gc.collect()`` cheap for
@@ -75,6 +77,7 @@ __all__ = ["run_distributed", "shutdown_pools", "DistributedTestError", "Distrib
 
 ERROR_GRACE_S = float(os.environ.get("ZERO3_AC_TEST_ERROR_GRACE", "5"))
 INIT_TIMEOUT_S = float(os.environ.get("ZERO3_AC_TEST_INIT_TIMEOUT", "600"))
+CALL_TIMEOUT_S = float(os.environ.get("ZERO3_AC_TEST_CALL_TIMEOUT", "600"))
 SHUTDOWN_GRACE_S = 5.0
 MASTER_ADDR = "127.0.0.1"
 
@@ -592,7 +595,7 @@ def _get_pool(world_size):
     return pool
 
 
-def run_distributed(world_size: int, fn, *args, timeout: float = 600, **kwargs) -> list:
+def run_distributed(world_size: int, fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs) -> list:
     """Run fn(*args, **kwargs) on `world_size` gloo ranks (DS_ACCELERATOR=cpu) and return the per-rank
     results (index = rank). If any rank raises, raise an exception in the caller whose message contains
     the remote traceback of the first failing rank (and its exception type name, e.g. 'CheckpointError')."""

@@ -5,10 +5,11 @@ import torch
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from tests.unit.common import run_distributed
-from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, FrozenLoraBlock, GatherLog,
-                                               assert_close_deltas, assert_fork_state, assert_nothing_drained,
-                                               assert_partitioned, make_engine, micro_batches, named_values,
-                                               reference_deltas, zero_config)
+from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, FrozenLoraBlock, assert_close_deltas,
+                                               assert_fork_state, assert_no_backward_regather,
+                                               assert_nothing_drained, assert_partitioned, make_engine,
+                                               micro_batches, named_values, reference_deltas, zero_config)
+from zero3_ac.utils.gather_meter import GatherMeter
 
 WORLD_SIZE = 2
 LEAN = {"stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
@@ -53,7 +54,7 @@ def train_and_check(model, steps=2, gas=1, input_requires_grad=True, zero_option
         expected = reference_deltas(model, batches, gas)
     engine = make_engine(model, zero_config(3, dtype, gas, **(zero_options or {})))
     initial = named_values(engine)
-    gathers = GatherLog(engine)
+    gathers = GatherMeter(engine)
     for index, row in enumerate(batches):
         gathers.reset()
         with context():
@@ -63,7 +64,7 @@ def train_and_check(model, steps=2, gas=1, input_requires_grad=True, zero_option
             after_backward(engine, index)
         assert_partitioned(engine, f"after backward {index}")
         if check_regather:
-            gathers.assert_no_backward_regather(f"backward {index}")
+            assert_no_backward_regather(gathers, f"backward {index}")
         engine.step()
         assert_partitioned(engine, f"after step {index}")
     final = named_values(engine)
@@ -286,39 +287,6 @@ class PlainStack(torch.nn.Module):
         return self.head(x).pow(2).mean()
 
 
-class LiveBytes:
-    """Gathered bytes of non-persistent params over time, measured outside the fork."""
-
-    def __init__(self, engine):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-        self.live = 0
-        self.backward_peak = 0
-        prefix = "_PartitionedParameterCoordinator__"
-        gather, release = getattr(coordinator, prefix + "all_gather_params"), getattr(coordinator,
-                                                                                     prefix + "release_param")
-
-        def nbytes(param):
-            return param.ds_numel * param.element_size()
-
-        def all_gather_params(params, forward):
-            for param in params:
-                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and not param.ds_persist:
-                    self.live += nbytes(param)
-            if torch._C._current_graph_task_id() != -1:
-                self.backward_peak = max(self.backward_peak, self.live)
-            return gather(params, forward)
-
-        def release_param(param, free_data=True):
-            was_gathered = param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
-            release(param, free_data)
-            if was_gathered and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                self.live -= nbytes(param)
-
-        setattr(coordinator, prefix + "all_gather_params", all_gather_params)
-        setattr(coordinator, prefix + "release_param", release_param)
-
-
 def backward_peak_case(blocks, by_parent, use_reentrant):
     import deepspeed.comm as dist
     assert_fork_state()
@@ -329,14 +297,14 @@ def backward_peak_case(blocks, by_parent, use_reentrant):
         model = PlainStack(blocks, use_reentrant)
     engine = make_engine(model, zero_config(3, **LEAN))
     block_bytes = sum(p.ds_numel * p.element_size() for p in engine.module.blocks[0].parameters())
-    meter = LiveBytes(engine)
+    meter = GatherMeter(engine)
     rank = dist.get_rank()
     for row in micro_batches(3, dist.get_world_size(), requires_grad=True):
         engine(row[rank]).backward()
         engine.step()
         assert_partitioned(engine, "after step")
     engine.destroy()
-    return meter.backward_peak / block_bytes
+    return meter.backward_peak_bytes / block_bytes
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])

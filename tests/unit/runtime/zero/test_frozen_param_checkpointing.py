@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from tests.unit.common import run_distributed
-from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, GatherLog, assert_close_deltas,
-                                               assert_fork_state, assert_nothing_drained, assert_partitioned,
-                                               make_engine, micro_batches, named_values, reference_deltas,
-                                               zero_config)
+from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, assert_close_deltas, assert_fork_state,
+                                               assert_no_backward_regather, assert_nothing_drained,
+                                               assert_partitioned, make_engine, micro_batches, named_values,
+                                               reference_deltas, zero_config)
+from zero3_ac.utils.gather_meter import GatherMeter
 
 STEPS = 2
 
@@ -23,7 +24,7 @@ def frozen_matrix_case(use_reentrant, stage, input_requires_grad, gas, dtype_nam
     expected = reference_deltas(model, batches, gas)
     engine = make_engine(model, zero_config(stage, dtype, gas, persistence=DIM if persist_frozen_norm else 0))
     initial = named_values(engine)
-    gathers = GatherLog(engine) if stage == 3 else None
+    gathers = GatherMeter(engine) if stage == 3 else None
     for index, row in enumerate(batches):
         if gathers:
             gathers.reset()
@@ -31,7 +32,7 @@ def frozen_matrix_case(use_reentrant, stage, input_requires_grad, gas, dtype_nam
         loss.backward()
         assert_partitioned(engine, f"after backward {index}")
         if gathers and not use_reentrant:
-            gathers.assert_no_backward_regather(f"backward {index}")
+            assert_no_backward_regather(gathers, f"backward {index}")
         engine.step()
         assert_partitioned(engine, f"after step {index}")
     final = named_values(engine)

@@ -150,40 +150,10 @@ def assert_close_deltas(actual, expected, dtype, context=""):
                                  f"(|update| max {want.abs().max().item():.3g}, rtol={rtol}, atol={atol})")
 
 
-class GatherLog:
-    """Counts the all-gathers of one engine's coordinator, stock or fork alike."""
-
-    _NAME = "_PartitionedParameterCoordinator__all_gather_params"
-
-    def __init__(self, engine):
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        self.records = []
-        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-        inner = getattr(coordinator, self._NAME)
-
-        def all_gather_params(params, forward):
-            in_backward = torch._C._current_graph_task_id() != -1
-            for param in params:
-                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                    self.records.append((param, in_backward))
-            return inner(params, forward)
-
-        setattr(coordinator, self._NAME, all_gather_params)
-
-    def reset(self):
-        self.records.clear()
-
-    def backward_gathers(self, frozen_only=True):
-        counts = {}
-        for param, in_backward in self.records:
-            if in_backward and (not frozen_only or not param.requires_grad):
-                counts[param] = counts.get(param, 0) + 1
-        return counts
-
-    def assert_no_backward_regather(self, when):
-        again = {param.ds_id: count for param, count in self.backward_gathers().items() if count > 1}
-        assert not again, (f"{when}: frozen params gathered more than once during one backward "
-                           f"(ds_id: times): {again}")
+def assert_no_backward_regather(meter, when):
+    """No frozen param was gathered twice in one backward (``meter``: a reset GatherMeter)."""
+    again = meter.frozen_regathers()
+    assert not again, f"{when}: frozen params gathered more than once during one backward (ds_id: times): {again}"
 
 
 def assert_nothing_drained(engine, when):
