@@ -15,9 +15,16 @@ def test_cpu_benchmark_runs_every_configuration_and_the_fork_gathers_less(tmp_pa
     subprocess.run(command, check=True, timeout=900, env={**os.environ, "DS_ACCELERATOR": "cpu"},
                    stdout=subprocess.DEVNULL)
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(results) == 12 and not any(r["error"] for r in results), [r["error"] for r in results]
+    assert len(results) == 12
     by_key = {(r["impl"], r["ac"], r["strict"]): r for r in results}
+    for (impl, ac, strict), result in by_key.items():
+        if impl == "stock" and ac == "nonreentrant" and result["error"]:
+            # Stock DeepSpeed before 0.19.3 crashes there: the bug this project fixes.
+            assert result["error"].startswith("CheckpointError") and result["ds"] == "0.19.2", result
+            continue
+        assert not result["error"], result
     for strict in (False, True):
         stock, fork = by_key[("stock", "nonreentrant", strict)], by_key[("fork", "nonreentrant", strict)]
-        assert fork["allgather_gib_per_step"] <= stock["allgather_gib_per_step"]
+        if not stock["error"]:
+            assert fork["allgather_gib_per_step"] <= stock["allgather_gib_per_step"]
         assert fork["fork_drained_params"] == 0 and fork["fork_swept_params"] == 0
