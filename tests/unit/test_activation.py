@@ -73,6 +73,7 @@ def test_auto_activation_warns_once_and_changes_nothing_when_unsupported(restore
     zero3_ac.remove()
     stock = _class_attrs()
     warnings = []
+    monkeypatch.delenv(activation.DISABLE_ENV, raising=False)
     monkeypatch.setattr(version_guard, "installed_deepspeed_version", lambda: "0.20.1")
     monkeypatch.setattr(logger, "warning", lambda message, *args, **kwargs: warnings.append(message))
     activation.auto_apply()
