@@ -74,16 +74,11 @@ def train_and_check(model, steps=2, gas=1, input_requires_grad=True, zero_option
 
 
 # ---------------------------------------------------------------------------- prompt release
-class ProbedBlock(torch.nn.Module):
+class ProbedBlock(FrozenLoraBlock):
     """A probe right before a frozen Linear; the block's own tanh triggers the recompute."""
 
     def __init__(self, log, dim=DIM):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.frozen = torch.nn.Linear(dim, dim)
-        self.lora = torch.nn.Linear(dim, dim, bias=False)
-        for param in [*self.norm.parameters(), *self.frozen.parameters()]:
-            param.requires_grad_(False)
+        super().__init__(dim)
         self.log = log
         self.target = [self.frozen.weight]
 
@@ -164,17 +159,12 @@ def test_frozen_embedding_released_at_last_use_in_recompute():
 
 
 # ---------------------------------------------------------------------------- repeated calls
-class RepeatedCallBlock(torch.nn.Module):
+class RepeatedCallBlock(FrozenLoraBlock):
     """One frozen Linear called twice, and a recursive module, inside one checkpointed region."""
 
     def __init__(self, log, dim=DIM):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(dim)
-        self.frozen = torch.nn.Linear(dim, dim)
-        self.lora = torch.nn.Linear(dim, dim, bias=False)
+        super().__init__(dim)
         self.recursive = RecursiveLinear(dim)
-        for param in [*self.norm.parameters(), *self.frozen.parameters()]:
-            param.requires_grad_(False)
         self.log = log
         self.target = [self.frozen.weight]
 
