@@ -107,9 +107,14 @@ def _top_level_tensors(output):
 
 
 def _any_requires_grad(value) -> bool:
-    found = []
-    apply_to_tensors_only(lambda tensor: found.append(tensor.requires_grad) or tensor, value)
-    return any(found)
+    """Whether a tensor that ``apply_to_tensors_only`` would visit requires grad (without rebuilding)."""
+    if torch.is_tensor(value):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_any_requires_grad(item) for item in value)
+    if isinstance(value, dict):
+        return any(_any_requires_grad(item) for item in value.values())
+    return False
 
 
 class ModuleInvocationHooks:
