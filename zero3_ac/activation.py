@@ -25,8 +25,10 @@ def is_active() -> bool:
 
 
 def _patches():
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
 
@@ -40,10 +42,14 @@ def _patches():
         return fork_stage3.initialize_ds_offload(
             self, _originals[(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload")], *args, **kwargs)
 
+    def compile(self, *args, **kwargs):
+        return fork_engine.compile(self, _originals[(DeepSpeedEngine, "compile")], *args, **kwargs)
+
     patches = [
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (DeepSpeedZeRoOffload, "partition_all_parameters", partition_all_parameters),
         (DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", initialize_ds_offload),
+        (DeepSpeedEngine, "compile", compile),
     ]
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
 

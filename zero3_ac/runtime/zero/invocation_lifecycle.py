@@ -23,6 +23,14 @@ Note: [Backward slots and the ownership map]
     reentrant recompute (its own graph is backpropagated) it is the slot the recompute created
     itself. A recompute with no consumer (its outputs need no grad) releases at its forward end.
 
+Note: [Slots that will not open]
+    A replay's slot may never open in the running backward (``will_open`` is False): nothing being
+    differentiated depends on the call's outputs (an extra output the caller drops, an aux head's
+    unused logits). The replay then has no consumer, but it keeps its holds until the next
+    backward event rather than releasing at its forward end: its outputs required grad, so the
+    recompute saved tensors, frozen params among them, and torch's checkpoint compares those when
+    the whole recompute ends.
+
 Note: [Aborted forwards]
     A forward whose post-hook never runs (checkpoint early stop raises inside the recompute, or an
     exception) leaves its invocation on the call stack. Any backward event proves that no forward
@@ -78,6 +86,7 @@ class InvocationLifecycle:
     ``numel`` gives a param's full size; it is used only for the live-parameter budget.
     ``frozen`` tells whether a param needs no grad: a frozen param handed off by the recompute
     that is still running is never evicted (torch's checkpoint still checks its shape).
+    ``will_open`` tells whether a pending slot will still open in the running backward.
     Methods that can free params return them; the caller releases those it may release.
     """
 
@@ -85,9 +94,11 @@ class InvocationLifecycle:
                  numel: Callable[[Hashable], int] = lambda param: 1,
                  frozen: Callable[[Hashable], bool] = lambda param: False,
                  holder_set: Optional[Callable[[Hashable], Set[int]]] = None,
-                 max_handoff_numel: Optional[int] = None):
+                 max_handoff_numel: Optional[int] = None,
+                 will_open: Callable[["Invocation"], bool] = lambda slot: True):
         self._numel = numel
         self._frozen = frozen
+        self._will_open = will_open
         self.max_handoff_numel = max_handoff_numel
         self._ids = itertools.count(1)
         self._live: Dict[int, Invocation] = {}
@@ -100,6 +111,7 @@ class InvocationLifecycle:
         self._slots_by_module: Dict[Hashable, List[Invocation]] = {}
         # (slot id, param) -> recompute batch, in hand-off order: the eviction queue.
         self._handoffs: Dict[Tuple[int, Hashable], int] = {}
+        self._unconsumed_replays: List[Invocation] = []
         self._batch = 0
         self._latest_recompute_batch = 0
         self._recompute_since_backward = False
@@ -140,6 +152,7 @@ class InvocationLifecycle:
             "call_stack": len(self._call_stack),
             "slot_modules": len(self._slots_by_module),
             "handoffs": len(self._handoffs),
+            "unconsumed_replays": len(self._unconsumed_replays),
         }
 
     # ------------------------------------------------------------------ forward side
@@ -214,6 +227,8 @@ class InvocationLifecycle:
         freed: List[Hashable] = []
         while self._call_stack:
             freed.extend(self._retire_forward(self._call_stack.pop(), None))
+        while self._unconsumed_replays:
+            freed.extend(self._retire(self._unconsumed_replays.pop()))
         if self._recompute_since_backward:
             self._recompute_since_backward = False
             self._batch += 1
@@ -228,6 +243,7 @@ class InvocationLifecycle:
             report.params.extend(self._retire(inv))
         self._slots_by_module.clear()
         self._handoffs.clear()
+        self._unconsumed_replays.clear()
         self._recompute_since_backward = False
         return report
 
@@ -287,6 +303,9 @@ class InvocationLifecycle:
         consumer = self._consumer_of(inv, own_slot)
         if consumer is None:
             return self._retire(inv)
+        if inv.replay and consumer.state is State.PENDING and not self._will_open(consumer):
+            self._unconsumed_replays.append(inv)
+            return []
         self._hand_off(inv, consumer)
         return []
 

@@ -20,6 +20,14 @@ Note: [When a call's backward starts and ends]
     Upstream counts inputs per module (``ds_grads_remaining``), which a second call of the module
     or a checkpoint recompute resets in the middle of a backward.
 
+Note: [Slots a backward never reaches]
+    An output that requires grad but that nothing differentiated depends on (an extra output the
+    caller drops, an aux head's unused logits) never receives a gradient, so its call's slot never
+    opens. Each slot keeps weak references to the autograd nodes that would open it; a replay
+    recompute asks ``torch._C._will_engine_execute_node`` whether the running graph task will run
+    any of them before handing its params to that slot. The graph task is the one that consumes
+    the replay's tensors, so the answer is for the right backward, reentrant nesting included.
+
 Note: [The end of a backward]
     The first lifecycle event of a backward queues a callback on that graph task; it drains the
     lifecycle when the task ends. Nested graph tasks (reentrant checkpointing runs one per region)
@@ -27,6 +35,7 @@ Note: [The end of a backward]
 """
 
 import itertools
+import weakref
 
 import torch
 from deepspeed.runtime.zero import parameter_offload as upstream
@@ -69,6 +78,26 @@ class _GradBoundary(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad
+
+
+class _SlotContext:
+    """Driver data of one backward slot: the nodes that open it, the trainable params it awaits."""
+    __slots__ = ("open_nodes", "awaiting_grads")
+
+    def __init__(self, awaiting_grads=None):
+        self.open_nodes = []
+        self.awaiting_grads = awaiting_grads
+
+    def will_open(self) -> bool:
+        for ref in self.open_nodes:
+            node = ref()
+            if node is not None and torch._C._will_engine_execute_node(node):
+                return True
+        return False
+
+
+def _slot_will_open(slot) -> bool:
+    return slot.context is None or slot.context.will_open()
 
 
 class _InputBoundary:
@@ -123,7 +152,8 @@ class ModuleInvocationHooks:
     def __init__(self, offload):
         self.offload = offload
         self.params = InvocationParams(offload.get_param_coordinator(),
-                                       max_handoff_numel=offload._max_available_parameters_in_numel)
+                                       max_handoff_numel=offload._max_available_parameters_in_numel,
+                                       will_open=_slot_will_open)
         self.lifecycle = self.params.lifecycle
         self.accounting = self.params.accounting
         self._backward_task = None
@@ -196,12 +226,18 @@ class ModuleInvocationHooks:
         if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
             slot = self._new_slot(module, invocation.context)
         if slot is not None:
-            output = apply_to_tensors_only(
-                lambda tensor: _OpenSlotOnGrad.apply(self, slot, tensor) if tensor.requires_grad else tensor, output)
+            output = apply_to_tensors_only(lambda tensor: self._open_slot_on_grad(slot, tensor), output)
         self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
         if invocation.phase is Phase.RECOMPUTE:
             self.params.evict_over_budget()
         return output
+
+    def _open_slot_on_grad(self, slot, tensor):
+        if not tensor.requires_grad:
+            return tensor
+        tensor = _OpenSlotOnGrad.apply(self, slot, tensor)
+        slot.context.open_nodes.append(weakref.ref(tensor.grad_fn))
+        return tensor
 
     def _new_slot(self, module, boundary):
         """The call's backward slot, or None when its backward cannot need any param.
@@ -212,6 +248,7 @@ class ModuleInvocationHooks:
         """
         if boundary is not None:
             slot = self.lifecycle.new_slot(module)
+            slot.context = _SlotContext()
             boundary.slot = slot
             return slot
         trainable = {param for param in module.parameters() if param.requires_grad}
@@ -219,7 +256,7 @@ class ModuleInvocationHooks:
         if not trainable:
             return None
         slot = self.lifecycle.new_slot(module)
-        slot.context = trainable
+        slot.context = _SlotContext(awaiting_grads=trainable)
         for param in trainable:
             self._slots_awaiting_grad.setdefault(param, []).append(slot)
         return slot
@@ -260,8 +297,8 @@ class ModuleInvocationHooks:
     def _on_param_grad(self, param):
         slots = self._slots_awaiting_grad.pop(param, None)
         for slot in slots or ():
-            slot.context.discard(param)
-            if not slot.context:
+            slot.context.awaiting_grads.discard(param)
+            if not slot.context.awaiting_grads:
                 self.close_slot(slot)
 
     def _reap(self):

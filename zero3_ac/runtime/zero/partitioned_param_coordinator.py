@@ -29,13 +29,14 @@ def _nbytes(param) -> int:
 class InvocationParams:
     """Companion of one engine's coordinator: holds params for invocations and releases them."""
 
-    def __init__(self, coordinator, max_handoff_numel: int):
+    def __init__(self, coordinator, max_handoff_numel: int, will_open):
         self.coordinator = coordinator
         self.accounting = LifecycleAccounting()
         self.lifecycle = InvocationLifecycle(numel=lambda param: param.ds_numel,
                                              frozen=lambda param: not param.requires_grad,
                                              holder_set=lambda param: param.ds_active_sub_modules,
-                                             max_handoff_numel=max_handoff_numel)
+                                             max_handoff_numel=max_handoff_numel,
+                                             will_open=will_open)
         self.phase = "forward"
         self._stock_all_gather = getattr(coordinator, _PRIVATE + "all_gather_params")
         self._stock_release_param = getattr(coordinator, _PRIVATE + "release_param")

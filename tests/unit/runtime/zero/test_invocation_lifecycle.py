@@ -242,6 +242,61 @@ def test_plain_forward_never_hands_off_even_with_own_slot():
 
 
 # ---------------------------------------------------------------------------------------------
+# [Slots that will not open]
+
+
+def _dead_slots_lifecycle(dead):
+    return InvocationLifecycle(will_open=lambda slot: slot not in dead)
+
+
+@pytest.mark.parametrize("event", ["open_backward", "close_backward", "reap_aborted"])
+def test_replay_for_a_slot_that_will_not_open_holds_until_the_next_backward_event(event):
+    dead = []
+    lc = _dead_slots_lifecycle(dead)
+    unreached = lc.new_slot("aux")
+    dead.append(unreached)
+    trigger = lc.new_slot("m9")
+    r = recompute(lc, "aux", ["w_aux"], replay=True)
+    assert lc.close_forward(r) == []
+    assert lc.is_held("w_aux") and unreached.holds == set()
+    assert lc.size()["unconsumed_replays"] == 1
+    freed = lc.reap_aborted() if event == "reap_aborted" else getattr(lc, event)(trigger)
+    assert freed == ["w_aux"] and not lc.is_held("w_aux")
+    assert lc.size()["unconsumed_replays"] == 0
+
+
+def test_reaped_replay_for_a_slot_that_will_not_open_is_freed_by_the_reap():
+    dead = []
+    lc = _dead_slots_lifecycle(dead)
+    dead.append(lc.new_slot("aux"))
+    recompute(lc, "aux", ["w_aux"], replay=True)
+    assert lc.reap_aborted() == ["w_aux"]
+    assert lc.live() == dead
+
+
+def test_will_open_is_asked_only_for_pending_slots_of_replays():
+    asked = []
+    lc = InvocationLifecycle(will_open=lambda slot: asked.append(slot) or False)
+    opened = lc.new_slot("m1")
+    lc.open_backward(opened)
+    r = recompute(lc, "m1", ["w1"], replay=True)
+    assert lc.close_forward(r) == [] and opened.holds == {"w1"}
+    own = lc.new_slot("m2")
+    reentrant = recompute(lc, "m2", ["w2"], replay=False)
+    assert lc.close_forward(reentrant, own_slot=own) == [] and own.holds == {"w2"}
+    assert asked == []
+
+
+def test_drain_forgets_unconsumed_replays():
+    dead = []
+    lc = _dead_slots_lifecycle(dead)
+    dead.append(lc.new_slot("aux"))
+    lc.close_forward(recompute(lc, "aux", ["w_aux"], replay=True))
+    assert lc.drain().params == ["w_aux"]
+    assert not any(lc.size().values())
+
+
+# ---------------------------------------------------------------------------------------------
 # [Aborted forwards]
 
 
@@ -363,7 +418,7 @@ def test_drain_retires_every_live_invocation_and_returns_what_was_held():
     report = lc.drain()
     assert report.invocations == live_before == 5
     assert sorted(report.params) == ["w1", "w2", "w3", "w4"]
-    assert lc.size() == {"invocations": 0, "held_params": 0, "call_stack": 0, "slot_modules": 0, "handoffs": 0}
+    assert not any(lc.size().values()), lc.size()
     assert all(not lc.is_held(p) and lc.holders(p) == set() for p in ["w1", "w2", "w3", "w4"])
     assert lc.live() == [] and lc.call_stack == [] and lc.pending_slots("m2") == []
     assert pending.state is State.CLOSED and opened.state is State.CLOSED

@@ -1,0 +1,125 @@
+"""Setups around the lifecycle: where it steps aside, where it must still hold (2 gloo ranks).
+
+Applying the fork twice and unsupported DeepSpeed versions are covered in ``test_activation``.
+"""
+
+import pytest
+import torch
+
+from tests.unit.common import run_distributed
+from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
+from tests.unit.runtime.zero.zero_case import (CheckpointedStack, assert_close_deltas, assert_fork_state,
+                                               make_engine, micro_batches, named_values, reference_deltas,
+                                               zero_config)
+
+WORLD_SIZE = 2
+
+
+def train_plainly(model, config, steps=2, prepare=None):
+    """Train under ``config`` and compare with plain PyTorch; returns the engine.
+
+    ``engine.backward``: ZeRO stage 0 does not support a user ``loss.backward()``.
+    """
+    import deepspeed.comm as dist
+    assert_fork_state()
+    rank = dist.get_rank()
+    batches = micro_batches(steps, dist.get_world_size(), requires_grad=True)
+    expected = reference_deltas(model, batches, gas=1)
+    engine = make_engine(model, config)
+    if prepare is not None:
+        prepare(engine)
+    initial = named_values(engine)
+    for row in batches:
+        engine.backward(engine(row[rank]))
+        engine.step()
+    final = named_values(engine)
+    assert_close_deltas({name: final[name] - initial[name] for name in expected}, expected, torch.float32)
+    return engine
+
+
+# ---------------------------------------------------------------------------- ZeRO 0-2
+def lower_stage_case(stage):
+    import zero3_ac
+    torch.manual_seed(40)
+    engine = train_plainly(CheckpointedStack(blocks=2), zero_config(stage))
+    assert zero3_ac.lifecycle_stats(engine) is None, "the lifecycle must not touch a ZeRO stage below 3"
+    engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stages_below_3_are_left_to_deepspeed(stage):
+    """ZeRO 0-2 never partition params, so the fork installs nothing there."""
+    run_distributed(WORLD_SIZE, lower_stage_case, stage)
+
+
+# ---------------------------------------------------------------------------- parameter offload
+def param_offload_case(use_reentrant):
+    torch.manual_seed(41)
+    train_and_check(CheckpointedStack(blocks=3, use_reentrant=use_reentrant),
+                    zero_options={"offload_param": {
+                        "device": "cpu"
+                    }})
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_parameter_offload_to_cpu(use_reentrant):
+    run_distributed(WORLD_SIZE, param_offload_case, use_reentrant)
+
+
+# ---------------------------------------------------------------------------- ZeRO++
+ZERO_PLUS_PLUS = {
+    "hpz": {"zero_hpz_partition_size": WORLD_SIZE},
+    "quantized_weights": {"zero_quantized_weights": True},
+}
+
+
+def zero_plus_plus_case(feature):
+    torch.manual_seed(42)
+    train_and_check(CheckpointedStack(blocks=3), zero_options=ZERO_PLUS_PLUS[feature])
+
+
+def _quantizer_on_this_accelerator() -> bool:
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("feature", [
+    "hpz",
+    pytest.param("quantized_weights",
+                 marks=pytest.mark.skipif(not _quantizer_on_this_accelerator(),
+                                          reason="DeepSpeed's weight quantizer has no CPU kernel "
+                                          "('This op had not been implemented on CPU backend')")),
+])
+def test_zero_plus_plus(feature):
+    run_distributed(WORLD_SIZE, zero_plus_plus_case, feature)
+
+
+# ---------------------------------------------------------------------------- compilers
+def torch_compile_case(use_reentrant):
+    torch.manual_seed(43)
+    engine = train_plainly(CheckpointedStack(blocks=2, use_reentrant=use_reentrant),
+                           zero_config(3),
+                           prepare=lambda engine: engine.compile(backend="eager"))
+    engine.destroy()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
+def test_torch_compiled_module(use_reentrant):
+    run_distributed(WORLD_SIZE, torch_compile_case, use_reentrant)
+
+
+def deepcompile_case():
+    import zero3_ac
+    from zero3_ac.runtime.engine import UnsupportedSetup
+    torch.manual_seed(44)
+    config = zero_config(3)
+    config["compile"] = {"deepcompile": True}
+    engine = make_engine(CheckpointedStack(blocks=2), config)
+    if zero3_ac.is_active():
+        with pytest.raises(UnsupportedSetup, match="ZERO3_AC_DISABLE=1"):
+            engine.compile()
+    engine.destroy()
+
+
+def test_deepcompile_is_refused_with_the_two_ways_out():
+    """DeepCompile removes the module hooks the lifecycle runs on; silently losing it is refused."""
+    run_distributed(WORLD_SIZE, deepcompile_case)
