@@ -26,5 +26,5 @@ def lifecycle_stats(engine):
         "last_step": accounting.last_step.as_dict() if accounting.last_step else None,
         "total_drained_params": accounting.total_drained_params,
         "total_swept_params": accounting.total_swept_params,
-        "bookkeeping": hooks.lifecycle.size(),
+        "bookkeeping": hooks.bookkeeping_size(),
     }

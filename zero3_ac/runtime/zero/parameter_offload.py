@@ -116,12 +116,19 @@ class _InputBoundary:
         return wrapped
 
     def close_slot_when_done(self, hooks):
+        """Register the multi-grad hook; returns its handle, which the caller must remove.
+
+        Note: [Removing the input hooks]
+            The "all"-mode multi-grad hook keeps the inputs' autograd nodes in its closure, and
+            the nodes keep the hook: a cycle through C++ that the garbage collector cannot see,
+            so every call's boundary would outlive the step. The drain removes the handles.
+        """
         # Keep no tensor here: the hook lives on those tensors, and a cycle through them would
         # keep this call's activations alive until the garbage collector runs.
         tensors, self.wrapped = self.wrapped, None
-        torch.autograd.graph.register_multi_grad_hook(tensors,
-                                                      lambda grads: self.slot and hooks.close_slot(self.slot),
-                                                      mode="all")
+        return torch.autograd.graph.register_multi_grad_hook(tensors,
+                                                             lambda grads: self.slot and hooks.close_slot(self.slot),
+                                                             mode="all")
 
 
 def _top_level_tensors(output):
@@ -158,8 +165,17 @@ class ModuleInvocationHooks:
         self.accounting = self.params.accounting
         self._backward_task = None
         self._slots_awaiting_grad = {}
+        self._input_grad_hooks = []
         self._grad_hooked = set()
         self.on_aborted_backward = None
+
+    def bookkeeping_size(self) -> dict:
+        """Sizes of everything kept per step, for leak checks: all zero once a step has drained."""
+        return {
+            **self.lifecycle.size(),
+            "slots_awaiting_grad": len(self._slots_awaiting_grad),
+            "input_grad_hooks": len(self._input_grad_hooks),
+        }
 
     # ------------------------------------------------------------------ registration
     def register(self, root):
@@ -213,7 +229,7 @@ class ModuleInvocationHooks:
         if not boundary.wrapped:
             return None
         invocation.context = boundary
-        boundary.close_slot_when_done(self)
+        self._input_grad_hooks.append(boundary.close_slot_when_done(self))
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -329,6 +345,9 @@ class ModuleInvocationHooks:
     def _drain(self, where):
         self._reap()
         self._slots_awaiting_grad.clear()
+        for handle in self._input_grad_hooks:
+            handle.remove()
+        self._input_grad_hooks.clear()
         before = self.accounting.total_drained_params + self.accounting.total_swept_params
         self.params.drain(self.offload.module)
         found = self.accounting.total_drained_params + self.accounting.total_swept_params - before
