@@ -70,6 +70,7 @@ def training_arguments(args):
         per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
+        bf16=args.bf16,
         gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
         logging_steps=1,
@@ -92,8 +93,8 @@ def check_world_size(training_args):
             "launch) instead of --deepspeed. See docs/clients.md.")
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def argument_parser(description=__doc__):
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed", default=None,
                         help="ds_config JSON (deepspeed launcher); leave out under accelerate launch, whose config names it")
     parser.add_argument("--ddp-backend", default=None, help="torch.distributed backend; gloo on CPU (docs/clients.md)")
@@ -104,17 +105,18 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs); fp32 by default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--use-reentrant", action="store_true", help="reentrant checkpointing (default: non-reentrant)")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--summary", default=None, help="directory for one JSON summary per rank")
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher adds it
-    return parser.parse_args(argv)
+    return parser
 
 
 def main(argv=None):
     from transformers import Trainer
-    args = parse_args(argv)
+    args = argument_parser().parse_args(argv)
     training_args = training_arguments(args)
     check_world_size(training_args)
     dataset = RepeatingSequences(args.batch_size * training_args.world_size, args.seq_len, args.vocab_size)

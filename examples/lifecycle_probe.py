@@ -20,6 +20,15 @@ def gathered_params(engine) -> int:
     return sum(1 for p in engine.module.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist)
 
 
+def checkpointing_use_reentrant(model):
+    """``use_reentrant`` of the checkpoint function HF set on the model's layers (None without checkpointing)."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is not None:
+            return getattr(function, "keywords", {}).get("use_reentrant")
+    return None
+
+
 class LifecycleProbe(TrainerCallback):
     """Per-step ZeRO-3 checks for an HF ``Trainer`` (or TRL trainer) running DeepSpeed ZeRO-3."""
 
@@ -49,7 +58,7 @@ class LifecycleProbe(TrainerCallback):
         self.meter = GatherMeter(self.engine)
         self.summary.update(rank=args.process_index, world_size=args.world_size, fork_active=zero3_ac.is_active(),
                             engine_uses_fork=zero3_ac.lifecycle_stats(self.engine) is not None,
-                            use_reentrant=(args.gradient_checkpointing_kwargs or {}).get("use_reentrant"))
+                            use_reentrant=checkpointing_use_reentrant(self.engine.module))
 
     def on_step_end(self, args, state, control, **kwargs):
         regathers = self.meter.frozen_regathers()
