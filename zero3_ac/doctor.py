@@ -51,14 +51,12 @@ def run_self_test() -> bool:
 def doctor() -> int:
     from zero3_ac import version_guard
     for name in PACKAGES:
-        print(f"{name}: {_version(name) or 'not installed'}")
+        version = version_guard.installed_deepspeed_version() if name == "deepspeed" else _version(name)
+        print(f"{name}: {version or 'not installed'}")
     print(f"supported deepspeed: {version_guard.SUPPORTED_RANGE}")
-    if _version("deepspeed") is None:
-        print("self-test: skipped (deepspeed is not installed)")
-        return 1
     usable, line = fork_state()
     print(line)
-    if not version_guard.is_supported(_version("deepspeed")):
+    if not version_guard.is_supported(version_guard.installed_deepspeed_version()):
         print("self-test: skipped (unsupported deepspeed)")
         return 1
     passed = run_self_test()

@@ -7,6 +7,8 @@ head), trains it for a few steps under ZeRO-3 on gloo, and reports what it saw. 
 Only torch and DeepSpeed are needed.
 """
 
+import contextlib
+import glob
 import math
 import os
 import socket
@@ -116,7 +118,7 @@ def run_rank(rank, port, queue):
         logger.setLevel("ERROR")
         _train(rank, report)
     except Exception as error:
-        report["error"] = traceback.format_exception_only(type(error), error)[-1].strip()
+        report["error"] = traceback.format_exception_only(type(error), error)[-1].strip().splitlines()[0]
     queue.put(report)
 
 
@@ -166,4 +168,13 @@ def run(timeout=TIMEOUT_S) -> list:
         if rank not in reports:
             reason = f"timed out after {timeout}s" if timed_out else f"exited with code {process.exitcode}"
             reports[rank] = {"rank": rank, "stage": "train", "error": f"the rank process {reason} without a report"}
+    remove_shm_buffers(port)
     return [reports[rank] for rank in range(WORLD_SIZE)]
+
+
+def remove_shm_buffers(port):
+    """Note: DeepSpeed's CPU all-reduce leaves one /dev/shm segment per rank (~66 MB), named after the port."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
