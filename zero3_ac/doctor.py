@@ -23,7 +23,10 @@ def fork_state():
         return False, f"zero3_ac {__version__}: disabled by {activation.DISABLE_ENV}=1 (DeepSpeed runs stock)"
     if not version_guard.is_supported(version):
         return False, f"zero3_ac {__version__}: inactive, " + version_guard.unsupported_message(version)
-    import deepspeed  # noqa: F401  (importing it is what activates the fork)
+    try:
+        import deepspeed  # noqa: F401  (importing it is what activates the fork)
+    except Exception as error:
+        return False, f"zero3_ac {__version__}: inactive, importing deepspeed {version} failed: {error!r}"
     if not activation.is_active():
         return False, (f"zero3_ac {__version__}: inactive although deepspeed {version} is supported: importing "
                        "deepspeed did not apply it (installed editable, without zero3_ac.pth? Install with "
