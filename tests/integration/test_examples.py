@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -123,3 +124,12 @@ def test_the_same_script_on_stock_deepspeed_crashes_or_gathers_frozen_params_aga
         assert result.returncode == 0, _output(result)
         for summary in summaries.values():
             assert all(step["frozen_backward_regathers"] > 0 for step in summary["steps"]), summary
+
+
+def test_an_example_refuses_a_trainer_that_sees_fewer_processes_than_were_launched(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from hf_trainer_lora import check_world_size
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD_SIZE))
+    with pytest.raises(SystemExit, match="--ddp-backend gloo.*ACCELERATE_USE_DEEPSPEED=true"):
+        check_world_size(types.SimpleNamespace(world_size=1))
+    check_world_size(types.SimpleNamespace(world_size=WORLD_SIZE))
