@@ -1,4 +1,8 @@
-"""``python -m zero3_ac`` (or ``zero3-ac``): say whether the fork is active here and why."""
+"""``python -m zero3_ac [status|doctor]`` (or ``zero3-ac``): say whether the fork is active here and why.
+
+``status`` (the default) only looks; ``doctor`` also prints the library versions and runs a 2-rank
+CPU self-test of the case the fork fixes.
+"""
 
 import argparse
 import sys
@@ -21,8 +25,11 @@ def status() -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="zero3-ac", description=__doc__)
-    parser.add_argument("command", nargs="?", default="status", choices=["status"])
-    parser.parse_args(argv)
+    parser.add_argument("command", nargs="?", default="status", choices=["status", "doctor"])
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from zero3_ac.doctor import doctor
+        return doctor()
     return status()
 
 

@@ -19,24 +19,40 @@ def _apply_now():
 
 
 class _ApplyWhenDeepSpeedLoads:
-    """A meta-path finder that wraps the loader of the top-level ``deepspeed`` package once."""
+    """A meta-path finder that wraps the loader of the top-level ``deepspeed`` package.
+
+    Note: ``importlib.util.find_spec("deepspeed")`` (how transformers and accelerate check that
+    DeepSpeed is installed) asks this finder too, without ever executing the spec it gets. So the
+    finder wraps every spec it is asked for and leaves ``sys.meta_path`` only once DeepSpeed has
+    actually been executed.
+    """
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "deepspeed":
             return None
-        sys.meta_path.remove(self)
-        import importlib.util
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_stock = spec.loader.exec_module
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and not getattr(spec.loader, "_zero3_ac_wrapped", False):
+            self._wrap(spec.loader)
+        return spec
+
+    def _wrap(self, loader):
+        exec_stock = loader.exec_module
 
         def exec_module(module):
             exec_stock(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _apply_now()
 
-        spec.loader.exec_module = exec_module
-        return spec
+        loader.exec_module = exec_module
+        loader._zero3_ac_wrapped = True
 
 
 def install():

@@ -46,6 +46,15 @@ def test_importing_deepspeed_activates_the_fork_unless_disabled(disable, expecte
     assert result.stdout.strip().splitlines()[-1] == expected
 
 
+def test_a_find_spec_before_the_import_does_not_disarm_auto_activation():
+    # transformers and accelerate look DeepSpeed up with importlib.util.find_spec before importing it.
+    code = ("import importlib.util; importlib.util.find_spec('deepspeed'); importlib.util.find_spec('deepspeed'); "
+            "import deepspeed, zero3_ac; print(zero3_ac.is_active())")
+    result = _run_python(code, ZERO3_AC_DISABLE="")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
+
+
 def test_apply_is_idempotent_and_remove_restores_stock_exactly(restore_activation):
     zero3_ac.remove()
     stock = _class_attrs()

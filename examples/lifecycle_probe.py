@@ -1,0 +1,98 @@
+"""A ``TrainerCallback`` that records what ZeRO-3 did in each step and writes it as JSON, one file per rank.
+
+The examples add it so that a test (or a curious user) can see, without touching the training
+code: the losses, whether the fork was active in this process and in the engine, how many params
+were still gathered after each optimizer step, and how often frozen params were gathered again
+during a backward (the re-gathers that the fork removes). It works on stock DeepSpeed too.
+"""
+
+import json
+import os
+import traceback
+from importlib import metadata
+
+from transformers import TrainerCallback
+
+
+def gathered_params(engine) -> int:
+    """Non-persistent params that are not partitioned (anything else than NOT_AVAILABLE)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return sum(1 for p in engine.module.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist)
+
+
+def checkpointing_use_reentrant(model):
+    """``use_reentrant`` of the checkpoint function HF set on the model's layers (None without checkpointing)."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is not None:
+            return getattr(function, "keywords", {}).get("use_reentrant")
+    return None
+
+
+class LifecycleProbe(TrainerCallback):
+    """Per-step ZeRO-3 checks for an HF ``Trainer`` (or TRL trainer) running DeepSpeed ZeRO-3."""
+
+    def __init__(self, trainer, summary_dir=None):
+        self.trainer = trainer
+        self.summary_dir = summary_dir
+        self.engine = None
+        self.meter = None
+        self.summary = {
+            "versions": {name: _version(name) for name in ("torch", "deepspeed", "transformers", "peft", "trl")},
+            "fork_active": None,
+            "engine_uses_fork": None,
+            "use_reentrant": None,
+            "losses": [],
+            "steps": [],
+            "lifecycle_stats": None,
+            "error": None,
+        }
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import zero3_ac
+        from zero3_ac.utils.gather_meter import GatherMeter
+        self.engine = self.trainer.deepspeed
+        if self.engine is None or self.engine.zero_optimization_stage() != 3:
+            raise RuntimeError("LifecycleProbe needs a DeepSpeed ZeRO-3 run: pass a ds_config with "
+                               "zero_optimization.stage 3 (--deepspeed, or an accelerate config with a deepspeed plugin).")
+        self.meter = GatherMeter(self.engine)
+        self.summary.update(rank=args.process_index, world_size=args.world_size, fork_active=zero3_ac.is_active(),
+                            engine_uses_fork=zero3_ac.lifecycle_stats(self.engine) is not None,
+                            use_reentrant=checkpointing_use_reentrant(self.engine.module))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        regathers = self.meter.frozen_regathers()
+        gathered = self.meter.take()
+        self.summary["steps"].append({
+            "step": state.global_step,
+            "params_gathered_after_step": gathered_params(self.engine),
+            "frozen_backward_regathers": sum(n - 1 for n in regathers.values()),
+            "gathered_bytes": gathered["phase_bytes"],
+        })
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.summary["losses"].append(float(logs["loss"]))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        import zero3_ac
+        self.summary["lifecycle_stats"] = zero3_ac.lifecycle_stats(self.engine)
+
+    def record_error(self, error):
+        self.summary["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
+
+    def write(self):
+        if self.summary_dir is None:
+            return None
+        os.makedirs(self.summary_dir, exist_ok=True)
+        path = os.path.join(self.summary_dir, f"rank{self.trainer.args.process_index}.json")
+        with open(path, "w") as out:
+            json.dump(self.summary, out, indent=1, default=str)
+        return path
+
+
+def _version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None

@@ -1,0 +1,135 @@
+"""The client examples, launched as users launch them (deepspeed / accelerate launch, 2 CPU ranks), for a few steps.
+
+Each rank of an example writes a JSON summary (examples/lifecycle_probe.py); the tests read those.
+With the fork: training completes, the loss is finite and decreasing, the fork ran in every rank, no
+param was left gathered and no frozen param was gathered twice in a backward. Stock DeepSpeed on the
+same script: 0.19.2 crashes with CheckpointError, later releases gather frozen params again.
+"""
+
+import contextlib
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+
+from zero3_ac import version_guard
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(REPO, "examples")
+DS_CONFIG = os.path.join(EXAMPLES, "ds_config_zero3.json")
+ACCELERATE_CONFIG = os.path.join(EXAMPLES, "accelerate_zero3.yaml")
+WORLD_SIZE = 2
+STEPS = 4
+TIMEOUT_S = 600
+STOCK_CRASHES = version_guard.installed_deepspeed_version() == "0.19.2"
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tool(name):
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+
+def _launch_command(launcher, script, port):
+    if launcher == "deepspeed":
+        return [_tool("deepspeed"), "--num_gpus", str(WORLD_SIZE), "--master_port", str(port), script]
+    return [_tool("accelerate"), "launch", "--config_file", ACCELERATE_CONFIG, "--num_processes", str(WORLD_SIZE),
+            "--main_process_port", str(port), script]
+
+
+def launch(launcher, example, summary_dir, *args, **env):
+    """Run ``examples/<example>`` under ``launcher`` on CPU; return (completed process, summaries by rank)."""
+    port = _free_port()
+    command = _launch_command(launcher, os.path.join(EXAMPLES, example), port)
+    command += ["--ddp-backend", "gloo", "--steps", str(STEPS), "--summary", str(summary_dir), *args]
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(WORLD_SIZE), **env}
+    if launcher == "deepspeed":  # on CPU the Trainer takes the DeepSpeed config from accelerate's environment
+        full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=DS_CONFIG)
+    try:
+        result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    finally:
+        _remove_shm_buffers(port)
+    summaries = {}
+    for path in glob.glob(os.path.join(summary_dir, "rank*.json")):
+        with open(path) as summary:
+            data = json.load(summary)
+        summaries[data["rank"]] = data
+    return result, summaries
+
+
+def _remove_shm_buffers(port):
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _output(result):
+    return f"exit {result.returncode}\n--- stdout (tail)\n{result.stdout[-4000:]}\n--- stderr (tail)\n{result.stderr[-6000:]}"
+
+
+def assert_trained_with_the_fork(result, summaries):
+    assert result.returncode == 0, _output(result)
+    assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
+    for rank, summary in summaries.items():
+        context = f"rank {rank}: {summary}"
+        assert summary["error"] is None and summary["world_size"] == WORLD_SIZE, context
+        assert summary["fork_active"] and summary["engine_uses_fork"], context
+        assert summary["use_reentrant"] is False, context
+        losses = summary["losses"]
+        assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), context
+        assert losses[-1] < losses[0], context
+        assert [step["params_gathered_after_step"] for step in summary["steps"]] == [0] * STEPS, context
+        assert [step["frozen_backward_regathers"] for step in summary["steps"]] == [0] * STEPS, context
+        assert all(step["gathered_bytes"]["recompute"] > 0 for step in summary["steps"]), context
+        stats = summary["lifecycle_stats"]
+        assert stats["total_drained_params"] == 0 and stats["total_swept_params"] == 0, context
+
+
+@pytest.mark.stock_fails
+def test_hf_trainer_lora_under_the_deepspeed_launcher(tmp_path):
+    assert_trained_with_the_fork(*launch("deepspeed", "hf_trainer_lora.py", tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.stock_fails
+def test_hf_trainer_lora_under_accelerate_launch(tmp_path):
+    assert_trained_with_the_fork(*launch("accelerate", "hf_trainer_lora.py", tmp_path))
+
+
+@pytest.mark.stock_fails
+def test_trl_sft_lora_keeps_non_reentrant_checkpointing_under_accelerate_launch(tmp_path):
+    pytest.importorskip("trl")
+    assert_trained_with_the_fork(*launch("accelerate", "trl_sft_lora.py", tmp_path))
+
+
+def test_the_same_script_on_stock_deepspeed_crashes_or_gathers_frozen_params_again(tmp_path):
+    result, summaries = launch("accelerate", "hf_trainer_lora.py", tmp_path, ZERO3_AC_DISABLE="1")
+    assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
+    assert not any(summary["fork_active"] for summary in summaries.values())
+    if STOCK_CRASHES:
+        assert result.returncode != 0, _output(result)
+        for summary in summaries.values():
+            assert summary["error"].startswith("torch.utils.checkpoint.CheckpointError"), summary
+    else:
+        assert result.returncode == 0, _output(result)
+        for summary in summaries.values():
+            assert all(step["frozen_backward_regathers"] > 0 for step in summary["steps"]), summary
+
+
+def test_an_example_refuses_a_trainer_that_sees_fewer_processes_than_were_launched(monkeypatch):
+    monkeypatch.syspath_prepend(EXAMPLES)
+    from hf_trainer_lora import check_world_size
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD_SIZE))
+    with pytest.raises(SystemExit, match="--ddp-backend gloo.*ACCELERATE_USE_DEEPSPEED=true"):
+        check_world_size(types.SimpleNamespace(world_size=1))
+    check_world_size(types.SimpleNamespace(world_size=WORLD_SIZE))
