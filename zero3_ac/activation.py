@@ -24,11 +24,23 @@ def is_active() -> bool:
     return bool(_originals)
 
 
+def _wrapping(owner, name, fork_function):
+    """A patch of ``owner.name`` that calls ``fork_function(self, stock_method, *args, **kwargs)``."""
+
+    def method(self, *args, **kwargs):
+        return fork_function(self, _originals[(owner, name)], *args, **kwargs)
+
+    return owner, name, method
+
+
 def _patches():
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from zero3_ac.runtime.zero import linear as fork_linear
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
+    from zero3_ac.runtime.zero import stage3_gradients
 
     def _register_deepspeed_module(self, module, count=[0]):
         fork.register_deepspeed_module(self, module)
@@ -44,6 +56,9 @@ def _patches():
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (DeepSpeedZeRoOffload, "partition_all_parameters", partition_all_parameters),
         (DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", initialize_ds_offload),
+        (LinearFunctionForZeroStage3, "forward", staticmethod(fork_linear.forward)),
+        *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
+          for name in ("partition_grads", "independent_gradient_partition_epilogue", "zero_grad")),
     ]
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
 

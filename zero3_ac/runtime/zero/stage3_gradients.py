@@ -1,0 +1,65 @@
+"""ZeRO-3 gradient accumulation when micro-batches use different params: extends upstream
+``runtime/zero/stage3.py`` (``partition_grads``, ``independent_gradient_partition_epilogue``,
+``zero_grad``).
+
+Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
+    ZeRO-3 keeps each param's reduced gradient partition in a flat buffer that lives as long as
+    the optimizer. ``partition_grads`` copies a reduced gradient into it at ``micro_step_id == 0``
+    and adds to it at later micro-steps; nothing else ever zeroes it. That is right only if every
+    trainable param gets a gradient in the first micro-batch of every accumulation window:
+
+    - a param unused in micro-batch 0 and used later adds its gradient onto the previous
+      window's, which the step applies a second time;
+    - a param unused in a whole window keeps the previous window's gradient, and the step applies
+      it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient).
+
+    Data-dependent control flow (routing, optional branches, early exits) gets wrong updates
+    silently; the first window is right because the buffer starts at zero.
+
+    The fork keeps, per window, the set of partitions that hold this window's gradient. A partition
+    first written at a later micro-step is zeroed before upstream adds to it; at the end of every
+    backward the partitions not written yet in the window are zeroed, so the step, the gradient
+    norm and ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls
+    after every step) starts a new window.
+"""
+
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_WINDOW = "_zero3_ac_window_grad_partitions"
+
+
+def _window(optimizer) -> set:
+    """``ds_id``s of the params whose gradient partition holds the current window's gradient."""
+    window = optimizer.__dict__.get(_WINDOW)
+    if window is None:
+        window = optimizer.__dict__[_WINDOW] = set()
+    return window
+
+
+def partition_grads(optimizer, stock, params_to_release, grad_partitions):
+    """Wraps ``partition_grads``: a partition written first at a later micro-step starts at zero."""
+    window = _window(optimizer)
+    if optimizer.micro_step_id != 0:
+        partitions = getattr(optimizer, _GRAD_PARTITIONS)
+        for param in params_to_release:
+            if param.ds_id not in window:
+                partitions[param.ds_id].zero_()
+    window.update(param.ds_id for param in params_to_release)
+    return stock(optimizer, params_to_release, grad_partitions)
+
+
+def independent_gradient_partition_epilogue(optimizer, stock):
+    """Wraps the end-of-backward epilogue: partitions not written in this window yet are zero."""
+    stock(optimizer)
+    window = _window(optimizer)
+    partitions = getattr(optimizer, _GRAD_PARTITIONS)
+    if len(window) < len(partitions):
+        for ds_id, partition in partitions.items():
+            if ds_id not in window:
+                partition.zero_()
+        window.update(partitions)
+
+
+def zero_grad(optimizer, stock, *args, **kwargs):
+    """Wraps ``zero_grad``: the next gradient starts a new accumulation window."""
+    _window(optimizer).clear()
+    return stock(optimizer, *args, **kwargs)
