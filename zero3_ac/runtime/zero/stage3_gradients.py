@@ -13,15 +13,22 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     - a param unused in a whole window keeps the previous window's gradient, and the step applies
       it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient).
 
+    - a param reduced twice in micro-step 0 (used by two reentrant checkpoints, whose nested
+      backwards reduce it one after the other once the bucket was flushed in between) keeps only
+      its second gradient.
+
     Data-dependent control flow (routing, optional branches, early exits) gets wrong updates
     silently; the first window is right because the buffer starts at zero.
 
     The fork keeps, per window, the set of partitions that hold this window's gradient. A partition
-    first written at a later micro-step is zeroed before upstream adds to it; at the end of every
+    first written at a later micro-step is zeroed before upstream adds to it, one written again at
+    micro-step 0 is added to (upstream's own accumulate branch); at the end of every
     backward the partitions not written yet in the window are zeroed, so the step, the gradient
     norm and ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls
     after every step) starts a new window.
 """
+
+import contextlib
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
@@ -35,16 +42,35 @@ def _window(optimizer) -> set:
     return window
 
 
+@contextlib.contextmanager
+def _accumulating(optimizer):
+    """Upstream's ``partition_grads`` adds instead of copying (it copies at micro-step 0 only)."""
+    micro_step_id = optimizer.micro_step_id
+    optimizer.micro_step_id = max(micro_step_id, 1)
+    try:
+        yield
+    finally:
+        optimizer.micro_step_id = micro_step_id
+
+
 def partition_grads(optimizer, stock, params_to_release, grad_partitions):
-    """Wraps ``partition_grads``: a partition written first at a later micro-step starts at zero."""
+    """Wraps ``partition_grads``: each partition sums the gradients it gets in the window."""
     window = _window(optimizer)
+    pairs = list(zip(params_to_release, grad_partitions))
+    fresh = [(param, grad) for param, grad in pairs if param.ds_id not in window]
+    again = [(param, grad) for param, grad in pairs if param.ds_id in window]
+    window.update(param.ds_id for param in params_to_release)
     if optimizer.micro_step_id != 0:
         partitions = getattr(optimizer, _GRAD_PARTITIONS)
-        for param in params_to_release:
-            if param.ds_id not in window:
-                partitions[param.ds_id].zero_()
-    window.update(param.ds_id for param in params_to_release)
-    return stock(optimizer, params_to_release, grad_partitions)
+        for param, _ in fresh:
+            partitions[param.ds_id].zero_()
+        return stock(optimizer, params_to_release, grad_partitions)
+    if not again:
+        return stock(optimizer, params_to_release, grad_partitions)
+    buffers = list(stock(optimizer, [param for param, _ in fresh], [grad for _, grad in fresh]) or [])
+    with _accumulating(optimizer):
+        buffers += stock(optimizer, [param for param, _ in again], [grad for _, grad in again]) or []
+    return buffers
 
 
 def independent_gradient_partition_epilogue(optimizer, stock):
