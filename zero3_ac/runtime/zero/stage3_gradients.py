@@ -6,26 +6,25 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     ZeRO-3 keeps each param's reduced gradient partition in a flat buffer that lives as long as
     the optimizer. ``partition_grads`` copies a reduced gradient into it at ``micro_step_id == 0``
     and adds to it at later micro-steps; nothing else ever zeroes it. That is right only if every
-    trainable param gets a gradient in the first micro-batch of every accumulation window:
+    trainable param is reduced exactly once in the first micro-step of every accumulation window:
 
     - a param unused in micro-batch 0 and used later adds its gradient onto the previous
       window's, which the step applies a second time;
     - a param unused in a whole window keeps the previous window's gradient, and the step applies
-      it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient).
-
+      it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient);
     - a param reduced twice in micro-step 0 (used by two reentrant checkpoints, whose nested
-      backwards reduce it one after the other once the bucket was flushed in between) keeps only
+      backwards reduce it one after the other when the bucket was flushed in between) keeps only
       its second gradient.
 
-    Data-dependent control flow (routing, optional branches, early exits) gets wrong updates
-    silently; the first window is right because the buffer starts at zero.
+    So data-dependent control flow (routing, optional branches, early exits) trains on wrong
+    gradients silently; only the first window is right, because the buffer starts at zero.
 
     The fork keeps, per window, the set of partitions that hold this window's gradient. A partition
-    first written at a later micro-step is zeroed before upstream adds to it, one written again at
-    micro-step 0 is added to (upstream's own accumulate branch); at the end of every
-    backward the partitions not written yet in the window are zeroed, so the step, the gradient
-    norm and ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls
-    after every step) starts a new window.
+    first written at a later micro-step is zeroed before upstream adds to it; one written again at
+    micro-step 0 goes through upstream's accumulate branch; at the end of every backward the
+    partitions not written yet in the window are zeroed, so the step, the gradient norm and
+    ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls after
+    every step) starts a new window.
 """
 
 import contextlib
