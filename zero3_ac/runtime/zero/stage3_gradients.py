@@ -24,21 +24,35 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     micro-step 0 goes through upstream's accumulate branch; at the end of every backward the
     partitions not written yet in the window are zeroed, so the step, the gradient norm and
     ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls after
-    every step) starts a new window.
+    every step) starts a new window. With the optimizer offloaded, upstream also copies a partition
+    to the offloaded optimizer's gradient only when it is reduced in the boundary micro-batch; the
+    fork runs the others through that copy at the end of the boundary backward.
 """
 
 import contextlib
 
+import torch
+
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
+_REDUCED = "_zero3_ac_reduced_this_backward"
+
+
+def _ids(optimizer, attribute) -> set:
+    ids = optimizer.__dict__.get(attribute)
+    if ids is None:
+        ids = optimizer.__dict__[attribute] = set()
+    return ids
 
 
 def _window(optimizer) -> set:
     """``ds_id``s of the params whose gradient partition holds the current window's gradient."""
-    window = optimizer.__dict__.get(_WINDOW)
-    if window is None:
-        window = optimizer.__dict__[_WINDOW] = set()
-    return window
+    return _ids(optimizer, _WINDOW)
+
+
+def _at_boundary(optimizer) -> bool:
+    flag = optimizer.is_gradient_accumulation_boundary  # 0.19.2: an attribute; 0.19.8: a method
+    return bool(flag() if callable(flag) else flag)
 
 
 @contextlib.contextmanager
@@ -59,6 +73,7 @@ def partition_grads(optimizer, stock, params_to_release, grad_partitions):
     fresh = [(param, grad) for param, grad in pairs if param.ds_id not in window]
     again = [(param, grad) for param, grad in pairs if param.ds_id in window]
     window.update(param.ds_id for param in params_to_release)
+    _ids(optimizer, _REDUCED).update(param.ds_id for param in params_to_release)
     if optimizer.micro_step_id != 0:
         partitions = getattr(optimizer, _GRAD_PARTITIONS)
         for param, _ in fresh:
@@ -82,6 +97,25 @@ def independent_gradient_partition_epilogue(optimizer, stock):
             if ds_id not in window:
                 partition.zero_()
         window.update(partitions)
+    reduced = _ids(optimizer, _REDUCED)
+    if optimizer.offload_optimizer and _at_boundary(optimizer):
+        _offload_unreduced(optimizer, reduced)
+    reduced.clear()
+
+
+def _offload_unreduced(optimizer, reduced) -> None:
+    """Upstream copies a partition to the offloaded optimizer only when the partition is reduced in
+    the boundary micro-batch; the others keep an older window's gradient there. Reducing a zero
+    gradient for them goes through upstream's own copy (and its norm and NVMe swap)."""
+    from deepspeed.accelerator import get_accelerator
+    partitions = getattr(optimizer, _GRAD_PARTITIONS)
+    missing = [param for group in optimizer.fp16_groups for param in group
+               if param.ds_id in partitions and param.ds_id not in reduced]
+    if missing:
+        device = get_accelerator().current_device_name()
+        zeros = [torch.zeros(param.partition_numel(), dtype=partitions[param.ds_id].dtype, device=device)
+                 for param in missing]
+        optimizer.partition_grads(missing, zeros)
 
 
 def zero_grad(optimizer, stock, *args, **kwargs):

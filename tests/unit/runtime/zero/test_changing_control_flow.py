@@ -41,7 +41,7 @@ class RoutedModel(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def changing_control_flow_case(stage, gas):
+def changing_control_flow_case(stage, gas, offload=False):
     import deepspeed.comm as dist
     assert_fork_state()
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -49,7 +49,9 @@ def changing_control_flow_case(stage, gas):
     model = RoutedModel()
     batches = micro_batches(WINDOWS * gas, world_size)
     expected = reference_deltas(model, batches, gas, forward=lambda model, x, index: model(x, route(index, gas)))
-    engine = make_engine(model, zero_config(stage, gas=gas))
+    config = zero_config(stage, gas=gas, **({"offload_optimizer": {"device": "cpu"}} if offload else {}))
+    config["zero_force_ds_cpu_optimizer"] = False  # torch SGD on the offloaded partitions
+    engine = make_engine(model, config)
     initial = named_values(engine)
     for index, row in enumerate(batches):
         loss = engine(row[rank], route(index, gas))
@@ -68,6 +70,12 @@ def changing_control_flow_case(stage, gas):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_params_unused_in_some_micro_batches_train_like_pytorch(stage, gas, world_size):
     run_distributed(world_size, changing_control_flow_case, stage, gas)
+
+
+@pytest.mark.parametrize("gas", [1, 3])
+def test_params_unused_in_some_micro_batches_with_the_optimizer_offloaded(gas):
+    """ZeRO-3 copies gradient partitions to the offloaded optimizer at the boundary micro-batch."""
+    run_distributed(2, changing_control_flow_case, 3, gas, offload=True)
 
 
 class SharedByTwoReentrantCheckpoints(torch.nn.Module):
