@@ -24,40 +24,40 @@ def is_active() -> bool:
     return bool(_originals)
 
 
+def _wrapping(owner, name, fork_function):
+    """A patch of ``owner.name`` that calls ``fork_function(self, stock_method, *args, **kwargs)``."""
+
+    def method(self, *args, **kwargs):
+        return fork_function(self, _originals[(owner, name)], *args, **kwargs)
+
+    return owner, name, method
+
+
 def _patches():
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
+    from zero3_ac.runtime.zero import linear as fork_linear
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
+    from zero3_ac.runtime.zero import stage3_gradients
 
     def _register_deepspeed_module(self, module, count=[0]):
         fork.register_deepspeed_module(self, module)
 
-    def partition_all_parameters(self):
-        return fork.partition_all_parameters(self, _originals[(DeepSpeedZeRoOffload, "partition_all_parameters")])
-
-    def initialize_ds_offload(self, *args, **kwargs):
-        return fork_stage3.initialize_ds_offload(
-            self, _originals[(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload")], *args, **kwargs)
-
-    def compile(self, *args, **kwargs):
-        return fork_engine.compile(self, _originals[(DeepSpeedEngine, "compile")], *args, **kwargs)
-
     patches = [
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
-        (DeepSpeedZeRoOffload, "partition_all_parameters", partition_all_parameters),
-        (DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", initialize_ds_offload),
-        (DeepSpeedEngine, "compile", compile),
+        _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
+        _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
+        _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
+        (LinearFunctionForZeroStage3, "forward", staticmethod(fork_linear.forward)),
+        *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
+          for name in ("partition_grads", "independent_gradient_partition_epilogue", "zero_grad")),
     ]
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
-
-        def release_backward_leftovers(self):
-            return fork.release_backward_leftovers(
-                self, _originals[(DeepSpeedZeRoOffload, "release_backward_leftovers")])
-
-        patches.append((DeepSpeedZeRoOffload, "release_backward_leftovers", release_backward_leftovers))
+        patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches
 
 

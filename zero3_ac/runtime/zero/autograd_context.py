@@ -1,6 +1,10 @@
 """Where a ZeRO-3 module hook is running, as far as autograd can tell."""
 
+import contextlib
+
 import torch
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
 # Note: [Recompute and replay]
 #     ``torch._C._current_graph_task_id()`` is -1 outside a backward. A module forward that runs
@@ -18,6 +22,18 @@ import torch
 #       away by a nested ``torch.autograd.backward``, so it behaves like a forward.
 _REPLAY_PACK_HOOKS = ("_recomputation_hook.", "replay_pack")
 
+# Note: [ZeRO's own ops inside a selective checkpoint]
+#     Selective checkpointing (``create_selective_checkpoint_contexts``) runs the region's forward
+#     under a torch dispatch mode that logs every op, and replays that log in the recompute: the
+#     k-th call of an op in the recompute gets the k-th entry of the forward. ZeRO-3's gathers and
+#     releases are ops too (``aten.empty`` for a released param's placeholder, the all-gather's
+#     buffers and views), and the recompute needs not do the same ones as the forward: the
+#     forward may find a param prefetched or kept for reuse, the recompute may release one that
+#     nothing consumes. Then torch raises ``aten.empty.memory_format encountered during backward
+#     but not found in storage``. ZeRO's gathers and releases are not the model's computation, so
+#     the hooks run them with the selective-checkpoint modes taken off the dispatch stack.
+_SELECTIVE_CHECKPOINT_MODES = (torch_checkpoint._CachingTorchDispatchMode, torch_checkpoint._CachedTorchDispatchMode)
+
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
@@ -34,6 +50,13 @@ def is_replay_recompute() -> bool:
         return False
     qualname = getattr(hooks[0], "__qualname__", "")
     return any(marker in qualname for marker in _REPLAY_PACK_HOOKS)
+
+
+def outside_selective_checkpoint():
+    """A context in which ops are not seen by an enclosing selective checkpoint."""
+    if any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack()):
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 def queue_end_of_backward_callback(callback) -> None:

@@ -219,7 +219,8 @@ class ModuleInvocationHooks:
                                                  replay=replay,
                                                  stack_depth=len(upstream.FWD_MODULE_STACK))
         self.params.phase = Phase.RECOMPUTE.value if in_backward else Phase.FORWARD.value
-        self.offload.pre_sub_module_forward_function(module)
+        with autograd_context.outside_selective_checkpoint():
+            self.offload.pre_sub_module_forward_function(module)
         self.params.hold(module, invocation)
         if replay or not torch.is_grad_enabled():
             return None
@@ -243,9 +244,10 @@ class ModuleInvocationHooks:
             slot = self._new_slot(module, invocation.context)
         if slot is not None:
             output = apply_to_tensors_only(lambda tensor: self._open_slot_on_grad(slot, tensor), output)
-        self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
-        if invocation.phase is Phase.RECOMPUTE:
-            self.params.evict_over_budget()
+        with autograd_context.outside_selective_checkpoint():
+            self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
+            if invocation.phase is Phase.RECOMPUTE:
+                self.params.evict_over_budget()
         return output
 
     def _open_slot_on_grad(self, slot, tensor):

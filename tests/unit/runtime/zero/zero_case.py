@@ -97,13 +97,17 @@ def micro_batches(count, world_size, dtype=torch.float32, requires_grad=False, d
     return batches
 
 
-def reference_deltas(model, batches, gas):
-    """Trainable-param updates of plain PyTorch on the data of every rank (data parallel mean)."""
+def reference_deltas(model, batches, gas, forward=None):
+    """Trainable-param updates of plain PyTorch on the data of every rank (data parallel mean).
+
+    ``forward(model, x, index)`` computes the loss of micro-batch ``index``; default ``model(x)``.
+    """
+    forward = forward or (lambda model, x, index: model(x))
     model = copy.deepcopy(model).float()
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     optimizer = torch.optim.SGD([param for param in model.parameters() if param.requires_grad], lr=LR)
     for index, row in enumerate(batches):
-        loss = sum(model(x.float().detach().requires_grad_(x.requires_grad)) for x in row) / len(row)
+        loss = sum(forward(model, x.float().detach().requires_grad_(x.requires_grad), index) for x in row) / len(row)
         (loss / gas).backward()
         if (index + 1) % gas == 0:
             optimizer.step()

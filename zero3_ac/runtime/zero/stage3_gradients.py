@@ -1,0 +1,124 @@
+"""ZeRO-3 gradient accumulation when micro-batches use different params: extends upstream
+``runtime/zero/stage3.py`` (``partition_grads``, ``independent_gradient_partition_epilogue``,
+``zero_grad``).
+
+Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
+    ZeRO-3 keeps each param's reduced gradient partition in a flat buffer that lives as long as
+    the optimizer. ``partition_grads`` copies a reduced gradient into it at ``micro_step_id == 0``
+    and adds to it at later micro-steps; nothing else ever zeroes it. That is right only if every
+    trainable param is reduced exactly once in the first micro-step of every accumulation window:
+
+    - a param unused in micro-batch 0 and used later adds its gradient onto the previous
+      window's, which the step applies a second time;
+    - a param unused in a whole window keeps the previous window's gradient, and the step applies
+      it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient);
+    - a param reduced twice in micro-step 0 (used by two reentrant checkpoints, whose nested
+      backwards reduce it one after the other when the bucket was flushed in between) keeps only
+      its second gradient.
+
+    So data-dependent control flow (routing, optional branches, early exits) trains on wrong
+    gradients silently; only the first window is right, because the buffer starts at zero.
+
+    The fork keeps, per window, the set of partitions that hold this window's gradient. A partition
+    first written at a later micro-step is zeroed before upstream adds to it; one written again at
+    micro-step 0 goes through upstream's accumulate branch; at the end of every backward the
+    partitions not written yet in the window are zeroed, so the step, the gradient norm and
+    ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls after
+    every step) starts a new window. With the optimizer offloaded, upstream also copies a partition
+    to the offloaded optimizer's gradient only when it is reduced in the boundary micro-batch; the
+    fork runs the others through that copy at the end of the boundary backward.
+"""
+
+import contextlib
+
+import torch
+
+_GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
+_WINDOW = "_zero3_ac_window_grad_partitions"
+_REDUCED = "_zero3_ac_reduced_this_backward"
+
+
+def _ids(optimizer, attribute) -> set:
+    ids = optimizer.__dict__.get(attribute)
+    if ids is None:
+        ids = optimizer.__dict__[attribute] = set()
+    return ids
+
+
+def _window(optimizer) -> set:
+    """``ds_id``s of the params whose gradient partition holds the current window's gradient."""
+    return _ids(optimizer, _WINDOW)
+
+
+def _at_boundary(optimizer) -> bool:
+    flag = optimizer.is_gradient_accumulation_boundary  # 0.19.2: an attribute; 0.19.8: a method
+    return bool(flag() if callable(flag) else flag)
+
+
+@contextlib.contextmanager
+def _accumulating(optimizer):
+    """Upstream's ``partition_grads`` adds instead of copying (it copies at micro-step 0 only)."""
+    micro_step_id = optimizer.micro_step_id
+    optimizer.micro_step_id = max(micro_step_id, 1)
+    try:
+        yield
+    finally:
+        optimizer.micro_step_id = micro_step_id
+
+
+def partition_grads(optimizer, stock, params_to_release, grad_partitions):
+    """Wraps ``partition_grads``: each partition sums the gradients it gets in the window."""
+    window = _window(optimizer)
+    pairs = list(zip(params_to_release, grad_partitions))
+    fresh = [(param, grad) for param, grad in pairs if param.ds_id not in window]
+    again = [(param, grad) for param, grad in pairs if param.ds_id in window]
+    window.update(param.ds_id for param in params_to_release)
+    _ids(optimizer, _REDUCED).update(param.ds_id for param in params_to_release)
+    if optimizer.micro_step_id != 0:
+        partitions = getattr(optimizer, _GRAD_PARTITIONS)
+        for param, _ in fresh:
+            partitions[param.ds_id].zero_()
+        return stock(optimizer, params_to_release, grad_partitions)
+    if not again:
+        return stock(optimizer, params_to_release, grad_partitions)
+    buffers = list(stock(optimizer, [param for param, _ in fresh], [grad for _, grad in fresh]) or [])
+    with _accumulating(optimizer):
+        buffers += stock(optimizer, [param for param, _ in again], [grad for _, grad in again]) or []
+    return buffers
+
+
+def independent_gradient_partition_epilogue(optimizer, stock):
+    """Wraps the end-of-backward epilogue: partitions not written in this window yet are zero."""
+    stock(optimizer)
+    window = _window(optimizer)
+    partitions = getattr(optimizer, _GRAD_PARTITIONS)
+    if len(window) < len(partitions):
+        for ds_id, partition in partitions.items():
+            if ds_id not in window:
+                partition.zero_()
+        window.update(partitions)
+    reduced = _ids(optimizer, _REDUCED)
+    if optimizer.offload_optimizer and _at_boundary(optimizer):
+        _offload_unreduced(optimizer, reduced)
+    reduced.clear()
+
+
+def _offload_unreduced(optimizer, reduced) -> None:
+    """Upstream copies a partition to the offloaded optimizer only when the partition is reduced in
+    the boundary micro-batch; the others keep an older window's gradient there. Reducing a zero
+    gradient for them goes through upstream's own copy (and its norm and NVMe swap)."""
+    from deepspeed.accelerator import get_accelerator
+    partitions = getattr(optimizer, _GRAD_PARTITIONS)
+    missing = [param for group in optimizer.fp16_groups for param in group
+               if param.ds_id in partitions and param.ds_id not in reduced]
+    if missing:
+        device = get_accelerator().current_device_name()
+        zeros = [torch.zeros(param.partition_numel(), dtype=partitions[param.ds_id].dtype, device=device)
+                 for param in missing]
+        optimizer.partition_grads(missing, zeros)
+
+
+def zero_grad(optimizer, stock, *args, **kwargs):
+    """Wraps ``zero_grad``: the next gradient starts a new accumulation window."""
+    _window(optimizer).clear()
+    return stock(optimizer, *args, **kwargs)
