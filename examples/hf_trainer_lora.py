@@ -48,14 +48,22 @@ class RepeatingSequences(Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+# The benchmark's model (benchmarks/bench.py): TinyLlama-1.1B's shape, random init.
+TINYLLAMA_1_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                      num_attention_heads=32, num_key_value_heads=4)
+
+
 def build_model(args):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(args.seed)
-    config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                         intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM",
+    if args.shape == "tinyllama":
+        config = LlamaConfig(**TINYLLAMA_1_1B, max_position_embeddings=max(2048, args.seq_len))
+    else:
+        config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                             intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     return get_peft_model(LlamaForCausalLM(config), lora)
 
@@ -104,6 +112,9 @@ def argument_parser(description=__doc__):
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=128)
+    parser.add_argument("--shape", choices=["tiny", "tinyllama"], default="tiny",
+                        help="tinyllama: TinyLlama-1.1B's shape (GPUs); the size options then apply to tiny only")
+    parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs); fp32 by default")
     parser.add_argument("--seed", type=int, default=0)

@@ -8,6 +8,7 @@ during a backward (the re-gathers that the fork removes). It works on stock Deep
 
 import json
 import os
+import time
 import traceback
 from importlib import metadata
 
@@ -27,6 +28,18 @@ def checkpointing_use_reentrant(model):
         if function is not None:
             return getattr(function, "keywords", {}).get("use_reentrant")
     return None
+
+
+def _synchronize():
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_memory():
+    """Peak accelerator memory of this process so far (GPUs), or None on CPU."""
+    import torch
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
 class LifecycleProbe(TrainerCallback):
@@ -60,11 +73,19 @@ class LifecycleProbe(TrainerCallback):
                             engine_uses_fork=zero3_ac.lifecycle_stats(self.engine) is not None,
                             use_reentrant=checkpointing_use_reentrant(self.engine.module))
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        _synchronize()
+        self._step_started = time.perf_counter()
+
     def on_step_end(self, args, state, control, **kwargs):
+        _synchronize()
+        seconds = time.perf_counter() - self._step_started
         regathers = self.meter.frozen_regathers()
         gathered = self.meter.take()
         self.summary["steps"].append({
             "step": state.global_step,
+            "seconds": seconds,
+            "peak_memory_bytes": _peak_memory(),
             "params_gathered_after_step": gathered_params(self.engine),
             "frozen_backward_regathers": sum(n - 1 for n in regathers.values()),
             "gathered_bytes": gathered["phase_bytes"],
