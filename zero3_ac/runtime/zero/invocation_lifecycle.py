@@ -244,7 +244,11 @@ class InvocationLifecycle:
         right after it, its backward is the next consumer, so dropping them would only buy a
         gather. Older batches are dropped oldest first; their slots gather again when they open.
         """
-        if self.max_handoff_numel is None:
+        if self.max_handoff_numel is None or not self._handoffs:
+            return []
+        # Hand-offs are stamped with a batch that never decreases, and a re-stamp moves one to the
+        # end: the first one is the oldest. Nothing older than the latest batch: nothing to evict.
+        if next(iter(self._handoffs.values())) >= self._latest_recompute_batch:
             return []
         freed: List[Hashable] = []
         over = self.handoff_numel() - self.max_handoff_numel
