@@ -8,8 +8,6 @@ compare stock and fork with one instrument.
 from zero3_ac.runtime.zero.accounting import StepAccounting
 from zero3_ac.runtime.zero.partitioned_param_coordinator import CoordinatorTap, TapListener, param_nbytes
 
-PHASES = ("forward", "recompute", "backward")
-
 
 def engine_tap(engine) -> CoordinatorTap:
     """The tap of a ZeRO-3 engine's param coordinator (installed on first use)."""
@@ -52,7 +50,7 @@ class GatherMeter(TapListener):
         return self.step.backward_peak_live_bytes
 
     def frozen_regathers(self) -> dict:
-        """ds_id -> times, for frozen params gathered more than once during backward."""
+        """ds_id -> times, for frozen params released and gathered again during backward."""
         return self.step.frozen_backward_regathers()
 
     def gathered(self, param, phase):
@@ -61,5 +59,5 @@ class GatherMeter(TapListener):
         self.live_bytes = self.step.live_bytes
 
     def released(self, param, phase):
-        self.step.record_release(param_nbytes(param), param.ds_persist)
+        self.step.record_release(phase, param.ds_id, param_nbytes(param), param.ds_persist)
         self.live_bytes = self.step.live_bytes

@@ -1,28 +1,31 @@
 """Per-step lifecycle accounting: what was gathered, by phase, what was gathered again, what the drain released.
 
 Note: [Re-gathers]
-    A step runs two passes over the params: the *forward pass* (FORWARD gathers, outside any
-    backward) and the *backward pass* (RECOMPUTE and BACKWARD gathers, inside the backward). A gather
-    is a *re-gather* when the same param was already gathered earlier in the same pass of the same
-    step: it was released in between, and had to be all-gathered again. It is counted under the key
-    ``"<phase of the earlier gather>-><phase of this one>/<frozen|trainable>"``:
-    - ``recompute->backward``: a recompute's param released before the backward that consumes it
-      (stock 0.19.3+ under non-reentrant checkpointing, most of its extra all-gathers);
-    - ``recompute->recompute``, ``backward->backward``, ``forward->forward``: released and gathered
+    A step runs two passes over the params: the *forward pass* (FORWARD, outside any backward) and
+    the *backward pass* (RECOMPUTE and BACKWARD, inside the backward). A gather is a *re-gather*
+    when the same param was released earlier in the same pass of the same step: a consumer in this
+    pass needed it again after the release. It is counted under the key
+    ``"<phase of that release>-><phase of this gather>/<frozen|trainable>"``:
+    - ``recompute->backward``: released at the end of its recompute, gathered again by the backward
+      that consumes the recompute (stock 0.19.3+ under non-reentrant checkpointing);
+    - ``forward->forward``, ``recompute->recompute``, ``backward->backward``: released and gathered
       again within one phase (a module called twice under a zero reuse distance, a budget eviction);
-    - ``backward->recompute``: a region recomputed after a backward that already used its params.
-    The gather of a pass that follows the other pass (forward, then the recompute of the same
-    module) is the expected one and not a re-gather. Each gather costs two dict operations.
+    - ``backward->recompute``: a region recomputed after a backward that released its params.
+    A gather after a release in the other pass (the forward's release, then the recompute) is the
+    expected one. A param gathered twice in a pass was released in between, so this counts those
+    too. Each gather and release costs one dict operation more.
 """
 
 import collections
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Set
+from typing import Dict
 
 STEP_LOG_ENV = "ZERO3_AC_LOG_STEPS"
+PHASES = ("forward", "recompute", "backward")
 BACKWARD_PASS = ("recompute", "backward")
 _KINDS = {True: "frozen", False: "trainable"}
+_KEYS = {(phase, frozen): f"{phase}/{kind}" for phase in PHASES for frozen, kind in _KINDS.items()}
 _step_logging = [os.environ.get(STEP_LOG_ENV, "").strip().lower() not in ("", "0", "false", "no")]
 
 
@@ -60,24 +63,19 @@ class StepAccounting:
     live_bytes: int = 0
     peak_live_bytes: int = 0
     backward_peak_live_bytes: int = 0
-    _forward_pass: Set[int] = field(default_factory=set, repr=False)
-    _backward_pass: Dict[int, str] = field(default_factory=dict, repr=False)
+    _forward_releases: Dict[int, str] = field(default_factory=dict, repr=False)
+    _backward_releases: Dict[int, str] = field(default_factory=dict, repr=False)
 
     def record_gather(self, phase: str, frozen: bool, ds_id: int, numel: int, nbytes: int,
                       persistent: bool = False) -> None:
-        kind = _KINDS[frozen]
-        key = f"{phase}/{kind}"
+        key = _KEYS[phase, frozen]
         self.gathered_numel[key] += numel
         self.gathered_bytes[key] += nbytes
         self.gathered_params[key] += 1
-        if phase in BACKWARD_PASS:
-            earlier = self._backward_pass.get(ds_id)
-            self._backward_pass[ds_id] = phase
-        else:
-            earlier = phase if ds_id in self._forward_pass else None
-            self._forward_pass.add(ds_id)
+        releases = self._backward_releases if phase in BACKWARD_PASS else self._forward_releases
+        earlier = releases.pop(ds_id, None)
         if earlier is not None:
-            self._record_regather(f"{earlier}->{phase}/{kind}", ds_id, nbytes)
+            self._record_regather(f"{earlier}->{key}", ds_id, nbytes)
         if not persistent:
             self.live_bytes += nbytes
         if self.live_bytes > self.peak_live_bytes:
@@ -90,30 +88,31 @@ class StepAccounting:
         self.regathered_bytes[key] += nbytes
         self.regathered_ids.setdefault(key, collections.Counter())[ds_id] += 1
 
-    def record_release(self, nbytes: int, persistent: bool = False) -> None:
+    def record_release(self, phase: str, ds_id: int, nbytes: int, persistent: bool = False) -> None:
+        releases = self._backward_releases if phase in BACKWARD_PASS else self._forward_releases
+        releases[ds_id] = phase
         if not persistent:
             self.live_bytes = max(0, self.live_bytes - nbytes)
 
     def close(self) -> None:
-        """Forget which params each pass gathered (the step is over; its counters stay)."""
-        self._forward_pass = set()
-        self._backward_pass = {}
+        """Forget what each pass released (the step is over; its counters stay)."""
+        self._forward_releases = {}
+        self._backward_releases = {}
 
     def phase_bytes(self) -> Dict[str, int]:
         """Gathered bytes by phase, frozen and trainable together."""
-        totals = dict.fromkeys(("forward", "recompute", "backward"), 0)
+        totals = dict.fromkeys(PHASES, 0)
         for key, nbytes in self.gathered_bytes.items():
             totals[key.split("/")[0]] += nbytes
         return totals
 
     def frozen_backward_regathers(self) -> Dict[int, int]:
-        """ds_id -> times gathered in the backward pass, for frozen params gathered there more than once."""
+        """ds_id -> re-gathers in the backward pass, for frozen params."""
         times = collections.Counter()
         for key, ids in self.regathered_ids.items():
-            earlier = key.split("->")[0]
-            if key.endswith("/frozen") and earlier in BACKWARD_PASS:
+            if key.endswith("/frozen") and key.split("->")[0] in BACKWARD_PASS:
                 times.update(ids)
-        return {ds_id: count + 1 for ds_id, count in times.items()}
+        return dict(times)
 
     def as_dict(self) -> dict:
         return {
@@ -160,7 +159,7 @@ class LifecycleAccounting:
                                    param.ds_numel * param.element_size(), param.ds_persist)
 
     def released(self, param, phase: str) -> None:
-        self.current.record_release(param.ds_numel * param.element_size(), param.ds_persist)
+        self.current.record_release(phase, param.ds_id, param.ds_numel * param.element_size(), param.ds_persist)
 
     def held(self, invocation_id: int, params) -> None:
         pass

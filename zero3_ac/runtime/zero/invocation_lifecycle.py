@@ -118,6 +118,10 @@ class InvocationLifecycle:
     def call_stack(self) -> List[Invocation]:
         return list(self._call_stack)
 
+    def forward_running(self) -> bool:
+        """Whether a forward invocation is open (its post-hook not run, nor reaped)."""
+        return bool(self._call_stack)
+
     def inside_replay(self) -> bool:
         """Whether the innermost running forward is part of a replay recompute."""
         return bool(self._call_stack) and self._call_stack[-1].replay

@@ -48,27 +48,31 @@ class CoordinatorTap:
     """The one wrapper of a coordinator's name-mangled all-gather and release (per instance).
 
     Note: [Phases seen from the coordinator]
-        Outside a backward graph task every gather is FORWARD. Inside one, upstream's ``forward``
-        flag tells a recompute's fetch (the forward pre-hook) from a backward fetch. A release has
-        no such flag: inside a backward it gets the phase of the latest gather. Under the fork the
-        hooks know the phase exactly and set :attr:`phase_source` instead.
+        Outside a backward graph task every gather and release is FORWARD. Inside one, upstream's
+        ``forward`` flag of the latest ``fetch_sub_module`` tells a recompute (a forward pre-hook)
+        from a backward: a module's release follows its own fetch, or that of a module inside it.
+        Under the fork the hooks know the phase exactly and pass ``phase_source`` instead; the
+        fetch is then not wrapped.
     """
 
-    def __init__(self, coordinator):
+    def __init__(self, coordinator, phase_source=None):
         self.listeners = []
-        self.phase_source = None
-        self._backward_phase = "backward"
+        self.phase_source = phase_source
+        self._fetch_forward = True
         self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
         self._release = getattr(coordinator, _PRIVATE + "release_param")
         setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
         setattr(coordinator, _PRIVATE + "release_param", self._release_param)
+        if phase_source is None:
+            self._fetch = coordinator.fetch_sub_module
+            coordinator.fetch_sub_module = self._fetch_sub_module
 
     @classmethod
-    def of(cls, coordinator) -> "CoordinatorTap":
-        """The coordinator's tap, installed on first use."""
+    def of(cls, coordinator, phase_source=None) -> "CoordinatorTap":
+        """The coordinator's tap, installed on first use (the fork installs it with its ``phase_source``)."""
         tap = coordinator.__dict__.get(_TAP_ATTR)
         if tap is None:
-            tap = coordinator.__dict__[_TAP_ATTR] = cls(coordinator)
+            tap = coordinator.__dict__[_TAP_ATTR] = cls(coordinator, phase_source)
         return tap
 
     def add(self, listener: TapListener) -> None:
@@ -79,22 +83,24 @@ class CoordinatorTap:
         if listener in self.listeners:
             self.listeners.remove(listener)
 
-    def phase(self, forward=None) -> str:
+    def phase(self) -> str:
         if self.phase_source is not None:
             return self.phase_source()
         if torch._C._current_graph_task_id() == -1:
             return "forward"
-        if forward is not None:
-            self._backward_phase = "recompute" if forward else "backward"
-        return self._backward_phase
+        return "recompute" if self._fetch_forward else "backward"
 
     def held(self, invocation_id: int, params) -> None:
         for listener in self.listeners:
             listener.held(invocation_id, params)
 
+    def _fetch_sub_module(self, current_submodule, forward):
+        self._fetch_forward = forward
+        return self._fetch(current_submodule, forward=forward)
+
     def _all_gather_params(self, params, forward):
         if self.listeners:
-            phase = self.phase(forward)
+            phase = self.phase()
             for param in params:
                 if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
                     for listener in self.listeners:
@@ -122,9 +128,16 @@ class InvocationParams:
                                              max_handoff_numel=max_handoff_numel)
         self.phase = "forward"
         self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
-        self.tap = CoordinatorTap.of(coordinator)
-        self.tap.phase_source = lambda: self.phase
+        self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
+
+    def _tap_phase(self) -> str:
+        # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that
+        # closes after a recompute ran would read "recompute"; a recompute runs only while a
+        # forward invocation is open.
+        if self.phase == "recompute" and not self.lifecycle.forward_running():
+            return "backward"
+        return self.phase
 
     def _release_through_coordinator(self, param):
         # Through the coordinator's attribute, so that whoever wraps it later sees this release too.

@@ -20,35 +20,42 @@ def fork_only():
 
 
 # ---------------------------------------------------------------------------- counting rules
-def test_a_regather_is_a_second_gather_in_the_same_pass():
+def test_a_regather_is_a_gather_after_a_release_in_the_same_pass():
     step = StepAccounting()
-    step.record_gather("forward", True, ds_id=1, numel=4, nbytes=16)
-    step.record_gather("forward", False, ds_id=2, numel=4, nbytes=16)
-    step.record_gather("forward", True, ds_id=1, numel=4, nbytes=16)
-    step.record_gather("recompute", True, ds_id=1, numel=4, nbytes=16)
-    step.record_gather("recompute", False, ds_id=2, numel=4, nbytes=16)
-    step.record_gather("backward", True, ds_id=1, numel=4, nbytes=16)
-    step.record_gather("backward", True, ds_id=1, numel=4, nbytes=16)
-    step.record_gather("recompute", False, ds_id=2, numel=4, nbytes=16)
+    frozen, trainable = 1, 2
+    step.record_gather("forward", True, ds_id=frozen, numel=4, nbytes=16)
+    step.record_gather("forward", False, ds_id=trainable, numel=4, nbytes=16)
+    step.record_release("forward", frozen, 16)
+    step.record_gather("forward", True, ds_id=frozen, numel=4, nbytes=16)  # forward->forward
+    step.record_release("forward", frozen, 16)
+    step.record_release("forward", trainable, 16)
+    step.record_gather("recompute", True, ds_id=frozen, numel=4, nbytes=16)  # the expected recompute gather
+    step.record_release("recompute", frozen, 16)
+    step.record_gather("backward", True, ds_id=frozen, numel=4, nbytes=16)  # recompute->backward
+    step.record_release("backward", frozen, 16)
+    step.record_gather("backward", True, ds_id=frozen, numel=4, nbytes=16)  # backward->backward
+    step.record_release("recompute", trainable, 16)  # kept from the forward, released by its recompute
+    step.record_gather("backward", False, ds_id=trainable, numel=4, nbytes=16)  # recompute->backward
     assert dict(step.regathered_params) == {
         "forward->forward/frozen": 1,
         "recompute->backward/frozen": 1,
         "backward->backward/frozen": 1,
-        "recompute->recompute/trainable": 1,
+        "recompute->backward/trainable": 1,
     }
     assert dict(step.regathered_bytes) == {key: 16 for key in step.regathered_params}
-    assert step.frozen_backward_regathers() == {1: 3}
+    assert step.frozen_backward_regathers() == {frozen: 2}
 
 
 def test_peak_and_backward_peak_follow_gathers_and_releases():
     step = StepAccounting()
     step.record_gather("forward", True, ds_id=1, numel=1, nbytes=10)
     step.record_gather("forward", True, ds_id=2, numel=1, nbytes=20)
-    step.record_release(10)
-    step.record_release(20)
+    step.record_release("forward", 1, 10)
+    step.record_release("forward", 2, 20)
     step.record_gather("recompute", True, ds_id=1, numel=1, nbytes=10)
     step.record_gather("forward", True, ds_id=3, numel=1, nbytes=5, persistent=True)
     assert (step.peak_live_bytes, step.backward_peak_live_bytes, step.live_bytes) == (30, 10, 10)
+    assert not step.regathered_params
 
 
 # ---------------------------------------------------------------------------- on an engine
@@ -80,22 +87,24 @@ def regather_case(model_name):
         meter.reset()
         engine(row[rank]).backward()
         engine.step()
-    stats = zero3_ac.lifecycle_stats(engine)["current"]
     shared_ids = [p.ds_id for p in engine.module.shared.parameters()] if model_name == "twice" else []
+    stats = zero3_ac.lifecycle_stats(engine)
     engine.destroy()
-    assert stats["gathered_bytes"] == dict(meter.step.gathered_bytes), "the accounting and the meter disagree"
-    assert stats["regathered_params"] == dict(meter.step.regathered_params)
-    return stats["regathered_params"], shared_ids
+    if stats is None:  # stock DeepSpeed: the meter alone
+        return dict(meter.step.regathered_params), shared_ids
+    step = stats["current"]
+    assert step["gathered_bytes"] == dict(meter.step.gathered_bytes), "the accounting and the meter disagree"
+    assert step["regathered_params"] == dict(meter.step.regathered_params)
+    return step["regathered_params"], shared_ids
 
 
 def test_a_module_called_twice_under_a_zero_reuse_distance_is_regathered_in_forward():
-    fork_only()
     regathered, shared_ids = run_distributed(WORLD_SIZE, regather_case, "twice")[0]
     assert regathered.get("forward->forward/frozen") == len(shared_ids), regathered
 
 
+@pytest.mark.stock_fails
 def test_no_param_is_regathered_in_the_backward_of_non_reentrant_checkpoints():
-    fork_only()
     regathered, _ = run_distributed(WORLD_SIZE, regather_case, "checkpointed")[0]
     backward_pass = {key: n for key, n in regathered.items() if not key.startswith("forward->")}
     assert not backward_pass, f"re-gathered in the backward pass: {backward_pass}"
