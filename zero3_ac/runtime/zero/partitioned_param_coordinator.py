@@ -61,6 +61,7 @@ class CoordinatorTap:
         self._fetch_forward = True
         self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
         self._release = getattr(coordinator, _PRIVATE + "release_param")
+        # Instance attributes shadow the (name-mangled) methods for this coordinator only.
         setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
         setattr(coordinator, _PRIVATE + "release_param", self._release_param)
         if phase_source is None:
