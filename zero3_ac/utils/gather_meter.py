@@ -1,76 +1,63 @@
 """Measure what one ZeRO-3 engine gathers and releases, on stock DeepSpeed and on the fork alike.
 
-It wraps the engine coordinator's all-gather and release (name-mangled, per instance), so that
-tests, the demo and the benchmarks compare stock and fork with one instrument.
+It listens to the engine coordinator's :class:`CoordinatorTap` and keeps the same per-step counters
+as the fork's accounting (:class:`StepAccounting`), so that tests, the demo and the benchmarks
+compare stock and fork with one instrument.
 """
 
-import collections
-
-import torch
-
-_PRIVATE = "_PartitionedParameterCoordinator__"
-PHASES = ("forward", "recompute", "backward")
+from zero3_ac.runtime.zero.accounting import StepAccounting
+from zero3_ac.runtime.zero.partitioned_param_coordinator import CoordinatorTap, TapListener, param_nbytes
 
 
-def current_phase(forward: bool) -> str:
-    """Forward outside a backward; inside one, upstream's ``forward`` flag tells recompute from backward."""
-    if torch._C._current_graph_task_id() == -1:
-        return "forward"
-    return "recompute" if forward else "backward"
+def engine_tap(engine) -> CoordinatorTap:
+    """The tap of a ZeRO-3 engine's param coordinator (installed on first use)."""
+    offload = getattr(engine.optimizer, "parameter_offload", None)
+    if offload is None:
+        raise ValueError("zero3_ac: gathers can be measured on a ZeRO stage 3 engine only "
+                         f"(this one runs stage {engine.zero_optimization_stage()}).")
+    return CoordinatorTap.of(offload.get_param_coordinator())
 
 
-def _nbytes(param) -> int:
-    return param.ds_numel * param.element_size()
-
-
-class GatherMeter:
-    """Gathered bytes by phase, gathers per param during backward, and gathered bytes over time."""
+class GatherMeter(TapListener):
+    """Gathered bytes by phase, re-gathers, and the peak of gathered bytes since the last reset."""
 
     def __init__(self, engine):
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-        self._available = ZeroParamStatus.AVAILABLE
-        self._not_available = ZeroParamStatus.NOT_AVAILABLE
-        coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
-        self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
-        self._release = getattr(coordinator, _PRIVATE + "release_param")
-        setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
-        setattr(coordinator, _PRIVATE + "release_param", self._release_param)
-        self.live_bytes = sum(_nbytes(p) for p in engine.module.parameters()
-                              if p.ds_status == self._available and not p.ds_persist)
+        engine_tap(engine).add(self)
+        self.live_bytes = sum(param_nbytes(p) for p in engine.module.parameters()
+                              if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
         self.reset()
 
     def reset(self):
-        self.phase_bytes = dict.fromkeys(PHASES, 0)
-        self.backward_gathers = collections.Counter()
-        self.peak_bytes = self.live_bytes
-        self.backward_peak_bytes = 0
+        self.step = StepAccounting(live_bytes=self.live_bytes, peak_live_bytes=self.live_bytes)
 
     def take(self) -> dict:
-        taken = dict(phase_bytes=dict(self.phase_bytes), peak_bytes=self.peak_bytes,
-                     backward_peak_bytes=self.backward_peak_bytes)
+        taken = dict(phase_bytes=self.phase_bytes, peak_bytes=self.peak_bytes,
+                     backward_peak_bytes=self.backward_peak_bytes, regathered_bytes=dict(self.step.regathered_bytes))
         self.reset()
         return taken
 
+    @property
+    def phase_bytes(self) -> dict:
+        return self.step.phase_bytes()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.step.peak_live_bytes
+
+    @property
+    def backward_peak_bytes(self) -> int:
+        return self.step.backward_peak_live_bytes
+
     def frozen_regathers(self) -> dict:
-        """ds_id -> times, for frozen params gathered more than once during backward."""
-        return {p.ds_id: n for p, n in self.backward_gathers.items() if n > 1 and not p.requires_grad}
+        """ds_id -> times, for frozen params released and gathered again during backward."""
+        return self.step.frozen_backward_regathers()
 
-    def _all_gather_params(self, params, forward):
-        phase = current_phase(forward)
-        for param in params:
-            if param.ds_status == self._not_available:
-                self.phase_bytes[phase] += _nbytes(param)
-                if phase != "forward":
-                    self.backward_gathers[param] += 1
-                if not param.ds_persist:
-                    self.live_bytes += _nbytes(param)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if phase != "forward":
-            self.backward_peak_bytes = max(self.backward_peak_bytes, self.live_bytes)
-        return self._gather(params, forward)
+    def gathered(self, param, phase):
+        self.step.record_gather(phase, not param.requires_grad, param.ds_id, param.ds_numel, param_nbytes(param),
+                                param.ds_persist)
+        self.live_bytes = self.step.live_bytes
 
-    def _release_param(self, param, free_data=True):
-        was_gathered = param.ds_status == self._available and not param.ds_persist
-        self._release(param, free_data)
-        if was_gathered and param.ds_status == self._not_available:
-            self.live_bytes -= _nbytes(param)
+    def released(self, param, phase):
+        self.step.record_release(phase, param.ds_id, param_nbytes(param), param.ds_persist)
+        self.live_bytes = self.step.live_bytes

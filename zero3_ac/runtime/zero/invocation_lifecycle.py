@@ -130,6 +130,10 @@ class InvocationLifecycle:
     def call_stack(self) -> List[Invocation]:
         return list(self._call_stack)
 
+    def forward_running(self) -> bool:
+        """Whether a forward invocation is open (its post-hook not run, nor reaped)."""
+        return bool(self._call_stack)
+
     def inside_replay(self) -> bool:
         """Whether the innermost running forward is part of a replay recompute."""
         return bool(self._call_stack) and self._call_stack[-1].replay
@@ -260,7 +264,11 @@ class InvocationLifecycle:
         right after it, its backward is the next consumer, so dropping them would only buy a
         gather. Older batches are dropped oldest first; their slots gather again when they open.
         """
-        if self.max_handoff_numel is None:
+        if self.max_handoff_numel is None or not self._handoffs:
+            return []
+        # Hand-offs are stamped with a batch that never decreases, and a re-stamp moves one to the
+        # end: the first one is the oldest. Nothing older than the latest batch: nothing to evict.
+        if next(iter(self._handoffs.values())) >= self._latest_recompute_batch:
             return []
         freed: List[Hashable] = []
         over = self.handoff_numel() - self.max_handoff_numel

@@ -5,8 +5,12 @@ prefetching from the recorded trace, the reuse-distance policy. What changes is 
 ``fetch_sub_module`` still marks params with the module's ``ds_id``; :meth:`InvocationParams.hold`
 swaps that mark for the invocation's id, and params are released only through the lifecycle, never
 by ``release_sub_module``.
+
+:class:`CoordinatorTap` is the one wrapper of a coordinator's all-gather and release. It works on
+stock DeepSpeed too: the fork's accounting, the gather meter and the timeline recorder listen to it.
 """
 
+import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.utils import z3_leaf_module
@@ -15,6 +19,7 @@ from zero3_ac.runtime.zero.accounting import LifecycleAccounting
 from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle
 
 _PRIVATE = "_PartitionedParameterCoordinator__"
+_TAP_ATTR = "_zero3_ac_tap"
 
 
 def module_params(module):
@@ -22,8 +27,94 @@ def module_params(module):
     return list(iter_params(module, recurse=z3_leaf_module(module)))
 
 
-def _nbytes(param) -> int:
+def param_nbytes(param) -> int:
     return param.ds_numel * param.element_size()
+
+
+class TapListener:
+    """What a :class:`CoordinatorTap` tells its listeners; each method may be left as is."""
+
+    def gathered(self, param, phase: str) -> None:
+        """``param`` was partitioned and is being all-gathered now."""
+
+    def released(self, param, phase: str) -> None:
+        """``param`` was gathered and has just been partitioned."""
+
+    def held(self, invocation_id: int, params) -> None:
+        """Under the fork: the invocation ``invocation_id`` holds ``params`` (right after their fetch)."""
+
+
+class CoordinatorTap:
+    """The one wrapper of a coordinator's name-mangled all-gather and release (per instance).
+
+    Note: [Phases seen from the coordinator]
+        Outside a backward graph task every gather and release is FORWARD. Inside one, upstream's
+        ``forward`` flag of the latest ``fetch_sub_module`` tells a recompute (a forward pre-hook)
+        from a backward: a module's release follows its own fetch, or that of a module inside it.
+        Under the fork the hooks know the phase exactly and pass ``phase_source`` instead; the
+        fetch is then not wrapped.
+    """
+
+    def __init__(self, coordinator, phase_source=None):
+        self.listeners = []
+        self.phase_source = phase_source
+        self._fetch_forward = True
+        self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
+        self._release = getattr(coordinator, _PRIVATE + "release_param")
+        # Instance attributes shadow the (name-mangled) methods for this coordinator only.
+        setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
+        setattr(coordinator, _PRIVATE + "release_param", self._release_param)
+        if phase_source is None:
+            self._fetch = coordinator.fetch_sub_module
+            coordinator.fetch_sub_module = self._fetch_sub_module
+
+    @classmethod
+    def of(cls, coordinator, phase_source=None) -> "CoordinatorTap":
+        """The coordinator's tap, installed on first use (the fork installs it with its ``phase_source``)."""
+        tap = coordinator.__dict__.get(_TAP_ATTR)
+        if tap is None:
+            tap = coordinator.__dict__[_TAP_ATTR] = cls(coordinator, phase_source)
+        return tap
+
+    def add(self, listener: TapListener) -> None:
+        if listener not in self.listeners:
+            self.listeners.append(listener)
+
+    def remove(self, listener: TapListener) -> None:
+        if listener in self.listeners:
+            self.listeners.remove(listener)
+
+    def phase(self) -> str:
+        if self.phase_source is not None:
+            return self.phase_source()
+        if torch._C._current_graph_task_id() == -1:
+            return "forward"
+        return "recompute" if self._fetch_forward else "backward"
+
+    def held(self, invocation_id: int, params) -> None:
+        for listener in self.listeners:
+            listener.held(invocation_id, params)
+
+    def _fetch_sub_module(self, current_submodule, forward):
+        self._fetch_forward = forward
+        return self._fetch(current_submodule, forward=forward)
+
+    def _all_gather_params(self, params, forward):
+        if self.listeners:
+            phase = self.phase()
+            for param in params:
+                if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+                    for listener in self.listeners:
+                        listener.gathered(param, phase)
+        return self._gather(params, forward)
+
+    def _release_param(self, param, free_data=True):
+        was_available = param.ds_status == ZeroParamStatus.AVAILABLE
+        self._release(param, free_data)
+        if was_available and self.listeners and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            phase = self.phase()
+            for listener in self.listeners:
+                listener.released(param, phase)
 
 
 class InvocationParams:
@@ -38,26 +129,17 @@ class InvocationParams:
                                              max_handoff_numel=max_handoff_numel,
                                              will_open=will_open)
         self.phase = "forward"
-        self._stock_all_gather = getattr(coordinator, _PRIVATE + "all_gather_params")
-        self._stock_release_param = getattr(coordinator, _PRIVATE + "release_param")
         self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
-        # Instance attributes shadow the name-mangled methods for this coordinator only.
-        setattr(coordinator, _PRIVATE + "all_gather_params", self._all_gather_params)
-        setattr(coordinator, _PRIVATE + "release_param", self._release_param)
+        self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
+        self.tap.add(self.accounting)
 
-    # ------------------------------------------------------------------ accounting wrappers
-    def _all_gather_params(self, params, forward):
-        record = self.accounting.current.record_gather
-        for param in params:
-            if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-                record(self.phase, not param.requires_grad, param.ds_numel, _nbytes(param))
-        self._stock_all_gather(params, forward)
-
-    def _release_param(self, param, free_data=True):
-        was_available = param.ds_status == ZeroParamStatus.AVAILABLE
-        self._stock_release_param(param, free_data)
-        if was_available and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
-            self.accounting.current.record_release(_nbytes(param))
+    def _tap_phase(self) -> str:
+        # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that
+        # closes after a recompute ran would read "recompute"; a recompute runs only while a
+        # forward invocation is open.
+        if self.phase == "recompute" and not self.lifecycle.forward_running():
+            return "backward"
+        return self.phase
 
     def _release_through_coordinator(self, param):
         # Through the coordinator's attribute, so that whoever wraps it later sees this release too.
@@ -75,6 +157,7 @@ class InvocationParams:
         for param in params:
             param.ds_active_sub_modules.discard(module.ds_id)
         self.lifecycle.hold(invocation, params)
+        self.tap.held(invocation.id, params)
 
     def release(self, params, module=None) -> None:
         """Release params the lifecycle freed, under upstream's persistence and reuse rules.

@@ -155,9 +155,9 @@ def assert_close_deltas(actual, expected, dtype, context=""):
 
 
 def assert_no_backward_regather(meter, when):
-    """No frozen param was gathered twice in one backward (``meter``: a reset GatherMeter)."""
+    """No frozen param was released and gathered again in one backward (``meter``: a reset GatherMeter)."""
     again = meter.frozen_regathers()
-    assert not again, f"{when}: frozen params gathered more than once during one backward (ds_id: times): {again}"
+    assert not again, f"{when}: frozen params released and gathered again during one backward (ds_id: times): {again}"
 
 
 def assert_nothing_drained(engine, when):
