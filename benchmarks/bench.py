@@ -17,6 +17,7 @@ Metrics per configuration (medians over measured steps):
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -38,11 +39,15 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 STRICT = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 
 
-def configurations(include_full=True):
-    """(name, ac, strict, full) in the order they run; each runs for stock and fork back to back."""
-    runs = [(ac, strict, False) for strict in (False, True) for ac in ("nonreentrant", "reentrant", "none")]
+CHECKPOINTING = ("nonreentrant", "reentrant", "none")
+
+
+def configurations(include_full=True, checkpointing=CHECKPOINTING, default_only=False):
+    """(ac, strict, full) in the order they run; each runs for stock and fork back to back."""
+    budgets = (False,) if default_only else (False, True)
+    runs = [(ac, strict, False) for strict in budgets for ac in checkpointing]
     if include_full:
-        runs += [("nonreentrant", False, True), ("reentrant", False, True)]
+        runs += [(ac, False, True) for ac in ("nonreentrant", "reentrant") if ac in checkpointing]
     return runs
 
 
@@ -189,7 +194,7 @@ def worker(rank, world_size, port, args, queue):
     logger.setLevel("ERROR")
     hf_logging.set_verbosity_error()
     deepspeed.init_distributed(dist_backend="gloo" if args.device == "cpu" else "nccl")
-    runs = configurations(include_full=not args.no_full)
+    runs = configurations(include_full=not args.no_full, checkpointing=args.ac, default_only=args.default_only)
     for round_index in range(args.rounds):
         for ac, strict, full in runs:
             for impl in ("stock", "fork"):
@@ -229,6 +234,9 @@ def main():
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=1, help="A/B rounds over all configurations")
     parser.add_argument("--no-full", action="store_true", help="skip the full fine-tune pair")
+    parser.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
+                        help="checkpointing modes to run (default: all)")
+    parser.add_argument("--default-only", action="store_true", help="skip the strict live-budget settings")
     parser.add_argument("--out", default=None, help="JSON lines output")
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -245,21 +253,23 @@ def main():
     for process in processes:
         process.start()
     results = []
-    total = args.rounds * len(configurations(not args.no_full)) * 2
-    while True:
-        result = queue.get()
-        if result is None:
-            break
-        results.append(result)
-        print(f"[{len(results)}/{total}] ", end="")
-        print_row(result)
-    for process in processes:
-        process.join()
+    total = args.rounds * len(configurations(not args.no_full, args.ac, args.default_only)) * 2
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as out:
-            for result in results:
+    # Written as results arrive, so that a run cut short keeps what it measured.
+    with open(args.out, "w") if args.out else contextlib.nullcontext() as out:
+        while True:
+            result = queue.get()
+            if result is None:
+                break
+            results.append(result)
+            print(f"[{len(results)}/{total}] ", end="")
+            print_row(result)
+            if out is not None:
                 out.write(json.dumps(result) + "\n")
+                out.flush()
+    for process in processes:
+        process.join()
     return 0 if len(results) == total else 1
 
 
