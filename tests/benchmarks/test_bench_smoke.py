@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from packaging.version import Version
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -20,7 +22,8 @@ def test_cpu_benchmark_runs_every_configuration_and_the_fork_gathers_less(tmp_pa
     for (impl, ac, strict), result in by_key.items():
         if impl == "stock" and ac == "nonreentrant" and result["error"]:
             # Stock DeepSpeed before 0.19.3 crashes there: the bug this project fixes.
-            assert result["error"].startswith("CheckpointError") and result["ds"] == "0.19.2", result
+            assert result["error"].startswith("CheckpointError"), result
+            assert Version(result["ds"]) < Version("0.19.3"), result
             continue
         assert not result["error"], result
     for strict in (False, True):
