@@ -15,7 +15,7 @@ REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
 # The oldest supported release, the last one before upstream's recompute fix, and the newest
 # (docs/compatibility.md).
-VERSIONS=${ZERO3_AC_DS_VERSIONS:-0.18.5 0.19.2 0.19.8}
+VERSIONS=${ZERO3_AC_DS_VERSIONS:-0.18.5 0.19.8}
 
 overall=0
 summary=()
