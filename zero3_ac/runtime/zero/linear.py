@@ -28,3 +28,21 @@ def forward(input, weight, bias=None):
         return torch.addmm(bias, input, weight.t())
     flat = torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t())
     return flat.view(*input.shape[:-1], weight.shape[0])
+
+
+def replacement_forward(linear_function):
+    """The fork's forward in the calling convention of this DeepSpeed's ``LinearFunctionForZeroStage3``.
+
+    0.19.1 and later save the inputs in a separate ``setup_context``; earlier releases save them in
+    ``forward(ctx, ...)`` itself, under DeepSpeed's autocast decorator.
+    """
+    if "setup_context" in linear_function.__dict__:
+        return staticmethod(forward)
+    from deepspeed.runtime.zero import linear as upstream
+
+    @upstream.autocast_custom_fwd
+    def forward_saving_inputs(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
+        return forward(input, weight, bias)
+
+    return staticmethod(forward_saving_inputs)
