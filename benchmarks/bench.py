@@ -21,12 +21,14 @@ import contextlib
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawn import start_ranks  # noqa: E402
 
 MODELS = {
     # TinyLlama-1.1B shape.
@@ -244,14 +246,7 @@ def main():
     args.seq = args.seq or (2048 if gpu else 64)
     args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
     args.steps = args.steps if args.steps is not None else (6 if gpu else 2)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.get_context("spawn")
-    queue = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, args.nproc, port, args, queue)) for rank in range(args.nproc)]
-    for process in processes:
-        process.start()
+    processes, queue = start_ranks(worker, args.nproc, args)
     results = []
     total = args.rounds * len(configurations(not args.no_full, args.ac, args.default_only)) * 2
     if args.out:

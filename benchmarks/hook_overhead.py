@@ -22,12 +22,14 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawn import start_ranks  # noqa: E402
 
 IMPLS = ("stock", "fork")
 # Release every param after each use: gathers and releases in every phase, the fork's busiest path.
@@ -195,14 +197,7 @@ def main():
     parser.add_argument("--profile", default=None, help="write a cProfile of one fork engine here")
     parser.add_argument("--out", default=None, help="JSON output")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.get_context("spawn")
-    queue = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, args.nproc, port, args, queue)) for rank in range(args.nproc)]
-    for process in processes:
-        process.start()
+    processes, queue = start_ranks(worker, args.nproc, args)
     rows = []
     while True:
         row = queue.get()

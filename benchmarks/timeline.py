@@ -12,13 +12,13 @@ timelines are drawn side by side: gathered bytes after every gather and release,
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import MODELS, STRICT, build_model  # noqa: E402
+from spawn import start_ranks  # noqa: E402
 
 IMPLS = ("stock", "fork")
 PHASE_COLORS = {"forward": "#cfe2f3", "recompute": "#fce5cd", "backward": "#d9ead3"}
@@ -135,14 +135,7 @@ def main():
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--mbs", type=int, default=2)
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.get_context("spawn")
-    queue = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, args.nproc, port, args, queue)) for rank in range(args.nproc)]
-    for process in processes:
-        process.start()
+    processes, queue = start_ranks(worker, args.nproc, args)
     results = [queue.get() for _ in IMPLS]
     for process in processes:
         process.join()
