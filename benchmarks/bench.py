@@ -109,7 +109,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
     else:
         zero3_ac.remove()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    zero = {"stage": 3, **(STRICT if strict else {})}
+    zero = {"stage": 3, **(STRICT if strict else {}), **dict(args.zero_option)}
     if args.device == "cpu":
         zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.mbs, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
@@ -239,8 +239,11 @@ def main():
     parser.add_argument("--ac", nargs="+", choices=CHECKPOINTING, default=list(CHECKPOINTING),
                         help="checkpointing modes to run (default: all)")
     parser.add_argument("--default-only", action="store_true", help="skip the strict live-budget settings")
+    parser.add_argument("--zero-option", nargs=2, action="append", default=[], metavar=("KEY", "JSON"),
+                        type=str, help="extra zero_optimization entry, e.g. zero_quantized_weights true")
     parser.add_argument("--out", default=None, help="JSON lines output")
     args = parser.parse_args()
+    args.zero_option = [(key, json.loads(value)) for key, value in args.zero_option]
     gpu = args.device == "cuda"
     args.model = args.model or ("tinyllama" if gpu else "tiny")
     args.seq = args.seq or (2048 if gpu else 64)
