@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from packaging.version import Version
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "DS_ACCELERATOR": "cpu"}
 
@@ -19,7 +21,7 @@ def test_hook_overhead_compares_stock_and_fork_in_both_configurations(tmp_path):
     for ac, numbers in result["configurations"].items():
         if "errors" in numbers:
             # Stock DeepSpeed before 0.19.3 crashes under non-reentrant checkpointing: the bug this project fixes.
-            assert ac == "nonreentrant" and result["deepspeed"] == "0.19.2", numbers
+            assert ac == "nonreentrant" and Version(result["deepspeed"]) < Version("0.19.3"), numbers
             assert all(error.startswith("CheckpointError") for error in numbers["errors"]), numbers
             continue
         assert numbers["stock_step_s"] > 0 and numbers["fork_step_s"] > 0
@@ -37,4 +39,5 @@ def test_timeline_command_records_both_sides_and_renders_a_png(tmp_path):
     fork = results["fork"]
     assert fork["error"] is None and fork["events"] and fork["events"][-1]["live_bytes"] == 0
     if results["stock"]["error"]:
-        assert results["stock"]["deepspeed"] == "0.19.2" and results["stock"]["error"].startswith("CheckpointError")
+        assert Version(results["stock"]["deepspeed"]) < Version("0.19.3")
+        assert results["stock"]["error"].startswith("CheckpointError")
