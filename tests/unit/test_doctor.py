@@ -5,10 +5,11 @@ import subprocess
 import sys
 
 import pytest
+from packaging.version import Version
 
 from zero3_ac import doctor, self_test, version_guard
 
-STOCK_0_19_2 = version_guard.installed_deepspeed_version() == "0.19.2"
+STOCK_CRASHES = Version(version_guard.installed_deepspeed_version()) < Version("0.19.3")
 
 
 def _doctor(**env):
@@ -39,7 +40,7 @@ def test_doctor_fails_on_stock_deepspeed_and_says_the_fork_is_disabled():
     assert result.returncode == 1, result.stdout + result.stderr
     assert "disabled by ZERO3_AC_DISABLE=1" in result.stdout
     assert "self-test: FAIL" in result.stdout
-    if STOCK_0_19_2:
+    if STOCK_CRASHES:
         assert "training failed: torch.utils.checkpoint.CheckpointError" in result.stdout
     else:
         assert "frozen params gathered again during backward" in result.stdout
