@@ -123,8 +123,7 @@ def test_the_same_script_on_stock_deepspeed_crashes_or_gathers_frozen_params_aga
             assert summary["error"].startswith("torch.utils.checkpoint.CheckpointError"), summary
     else:
         assert result.returncode == 0, _output(result)
-        for summary in summaries.values():
-            assert all(step["frozen_backward_regathers"] > 0 for step in summary["steps"]), summary
+        assert not any(summary["engine_uses_fork"] for summary in summaries.values())
 
 
 def test_an_example_refuses_a_trainer_that_sees_fewer_processes_than_were_launched(monkeypatch):
