@@ -31,6 +31,16 @@ Note: [Slots that will not open]
     recompute saved tensors, frozen params among them, and torch's checkpoint compares those when
     the whole recompute ends.
 
+Note: [Several forwards before a backward]
+    One engine may run several root forwards before a backward consumes them: a DPO step computes
+    the policy's and the reference's log-probs with one PEFT model (the reference under
+    ``no_grad`` with the adapters off), two losses may be summed into one backward, or two
+    backwards may each consume their own forward. A slot therefore lives as long as its call's
+    graph can still reach it, not until the next root forward: a drain retires forward
+    invocations, open slots and hand-offs, but keeps a pending slot that the driver says is
+    still reachable (its holds are dropped; it gathers when it opens). The driver retires a
+    pending slot once its graph is gone (``retire_unreachable``).
+
 Note: [Aborted forwards]
     A forward whose post-hook never runs (checkpoint early stop raises inside the recompute, or an
     exception) leaves its invocation on the call stack. Any backward event proves that no forward
@@ -238,14 +248,29 @@ class InvocationLifecycle:
             self._batch += 1
         return freed
 
-    def drain(self) -> DrainReport:
-        """Retire every live invocation (end of a backward graph task, or a new root forward)."""
+    def retire_unreachable(self, slot: Invocation) -> List[Hashable]:
+        """A pending slot whose call's graph is gone can never open: retire it."""
+        if slot.state is not State.PENDING:
+            return []
+        return self._retire(slot)
+
+    def drain(self, reachable: Callable[[Invocation], bool] = lambda slot: False) -> DrainReport:
+        """Retire every live invocation but the pending slots still ``reachable`` (end of a
+        backward graph task, a new root forward; see [Several forwards before a backward]).
+
+        A kept slot loses its holds (they count as drained) and may be matched again.
+        """
         report = DrainReport()
         self._call_stack.clear()
         for inv in list(self._live.values()):
+            if inv.phase is Phase.BACKWARD and inv.state is State.PENDING and reachable(inv):
+                inv.matched = False
+                if inv.holds:
+                    report.invocations += 1
+                    report.params.extend(self._drop_holds(inv))
+                continue
             report.invocations += 1
             report.params.extend(self._retire(inv))
-        self._slots_by_module.clear()
         self._handoffs.clear()
         self._unconsumed_replays.clear()
         self._recompute_since_backward = False
@@ -322,11 +347,17 @@ class InvocationLifecycle:
             return None
         if not inv.replay:
             return own_slot if own_slot is not None and own_slot.state is not State.CLOSED else None
+        # Newest first, and only a slot this backward will open: with several forwards before a
+        # backward, a newer forward's slots of the same module may belong to another backward.
+        unopened = None
         for slot in reversed(self._slots_by_module.get(inv.module, ())):
-            if slot.state is not State.CLOSED and not slot.matched:
+            if slot.state is State.CLOSED or slot.matched:
+                continue
+            if slot.state is State.OPEN or self._will_open(slot):
                 slot.matched = True
                 return slot
-        return None
+            unopened = unopened or slot
+        return unopened
 
     def _hand_off(self, inv: Invocation, slot: Invocation) -> None:
         for param in inv.holds:
@@ -343,11 +374,15 @@ class InvocationLifecycle:
         inv.state = State.CLOSED
         del self._live[inv.id]
 
-    def _retire(self, inv: Invocation) -> List[Hashable]:
+    def _drop_holds(self, inv: Invocation) -> List[Hashable]:
         freed = [param for param in inv.holds if self._unhold(inv.id, param)]
         for param in inv.holds:
             self._handoffs.pop((inv.id, param), None)
         inv.holds = set()
+        return freed
+
+    def _retire(self, inv: Invocation) -> List[Hashable]:
+        freed = self._drop_holds(inv)
         inv.state = State.CLOSED
         self._live.pop(inv.id, None)
         if inv.phase is Phase.BACKWARD:

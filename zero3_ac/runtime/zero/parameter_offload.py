@@ -32,6 +32,22 @@ Note: [The end of a backward]
     The first lifecycle event of a backward queues a callback on that graph task; it drains the
     lifecycle when the task ends. Nested graph tasks (reentrant checkpointing runs one per region)
     queue nothing: draining there would drop slots the outer backward has not reached yet.
+
+Note: [A slot lives as long as its graph]
+    A drain (end of a backward, a new root forward, ``partition_all_parameters``) keeps the pending
+    slots whose opening nodes are still alive: another forward's backward may still come (see
+    invocation_lifecycle's [Several forwards before a backward]). When the last opening node of a
+    pending slot is freed, its call's graph is gone and the slot can never open; a weakref callback
+    queues it, and the next hook event retires it and removes its input multi-grad hook. The
+    callback only queues: it runs wherever the last reference drops, inside other hooks too.
+
+Note: [What a module's forward sees]
+    The hooks wrap a call's grad-requiring inputs (and outputs) in identity Functions in the
+    forward but not in a replay recompute, whose graph is thrown away. Wrapping must keep the
+    aliasing of the call's arguments: a tensor passed twice (``nn.MultiheadAttention`` self-
+    attention: ``query is key is value``) is wrapped once, so ``is`` holds in both passes. torch
+    picks code paths by such identities, and a checkpoint recompute that takes another path saves
+    a different number of tensors (``CheckpointError``). Stock wraps separately in both passes.
 """
 
 import itertools
@@ -81,12 +97,15 @@ class _GradBoundary(torch.autograd.Function):
 
 
 class _SlotContext:
-    """Driver data of one backward slot: the nodes that open it, the trainable params it awaits."""
-    __slots__ = ("open_nodes", "awaiting_grads")
+    """Driver data of one backward slot: the nodes that open it, the trainable params it awaits,
+    and the multi-grad hook on its call's inputs."""
+    __slots__ = ("open_nodes", "awaited_params", "awaiting_grads", "input_hook")
 
-    def __init__(self, awaiting_grads=None):
+    def __init__(self, awaited_params=(), input_hook=None):
         self.open_nodes = []
-        self.awaiting_grads = awaiting_grads
+        self.awaited_params = tuple(awaited_params)
+        self.awaiting_grads = set(awaited_params)
+        self.input_hook = input_hook
 
     def will_open(self) -> bool:
         for ref in self.open_nodes:
@@ -95,6 +114,10 @@ class _SlotContext:
                 return True
         return False
 
+    def reachable(self) -> bool:
+        """Whether a node that opens the slot is still alive (see [A slot lives as long as its graph])."""
+        return any(ref() is not None for ref in self.open_nodes)
+
 
 def _slot_will_open(slot) -> bool:
     return slot.context is None or slot.context.will_open()
@@ -102,17 +125,21 @@ def _slot_will_open(slot) -> bool:
 
 class _InputBoundary:
     """The grad-requiring inputs of one forward call, and the slot they close once it exists."""
-    __slots__ = ("wrapped", "slot")
+    __slots__ = ("wrapped", "slot", "_by_id")
 
     def __init__(self):
         self.wrapped = []
         self.slot = None
+        self._by_id = {}
 
     def wrap(self, tensor):
+        """One wrapper per distinct tensor (see [What a module's forward sees])."""
         if not tensor.requires_grad:
             return tensor
-        wrapped = _GradBoundary.apply(tensor)
-        self.wrapped.append(wrapped)
+        wrapped = self._by_id.get(id(tensor))
+        if wrapped is None:
+            wrapped = self._by_id[id(tensor)] = _GradBoundary.apply(tensor)
+            self.wrapped.append(wrapped)
         return wrapped
 
     def close_slot_when_done(self, hooks):
@@ -125,7 +152,7 @@ class _InputBoundary:
         """
         # Keep no tensor here: the hook lives on those tensors, and a cycle through them would
         # keep this call's activations alive until the garbage collector runs.
-        tensors, self.wrapped = self.wrapped, None
+        tensors, self.wrapped, self._by_id = self.wrapped, None, None
         return torch.autograd.graph.register_multi_grad_hook(tensors,
                                                              lambda grads: self.slot and hooks.close_slot(self.slot),
                                                              mode="all")
@@ -165,16 +192,19 @@ class ModuleInvocationHooks:
         self.accounting = self.params.accounting
         self._backward_task = None
         self._slots_awaiting_grad = {}
-        self._input_grad_hooks = []
+        self._unreachable_slots = []
+        self._hooks_to_remove = []
         self._grad_hooked = set()
         self.on_aborted_backward = None
 
     def bookkeeping_size(self) -> dict:
-        """Sizes of everything kept per step, for leak checks: all zero once a step has drained."""
+        """Sizes of everything kept per step, for leak checks: all zero once a step has drained
+        and its graphs are freed."""
         return {
             **self.lifecycle.size(),
-            "slots_awaiting_grad": len(self._slots_awaiting_grad),
-            "input_grad_hooks": len(self._input_grad_hooks),
+            "slots_awaiting_grad": sum(len(slots) for slots in self._slots_awaiting_grad.values()),
+            "unreachable_slots": len(self._unreachable_slots),
+            "input_grad_hooks": len(self._hooks_to_remove),
         }
 
     # ------------------------------------------------------------------ registration
@@ -212,6 +242,8 @@ class ModuleInvocationHooks:
             self._enter_backward()
         elif module is self.offload.module:
             self.start_root_forward()
+        if self._unreachable_slots:
+            self._retire_unreachable()
         # A checkpoint nested in a replayed region replays with it: its own pack hook is on top.
         replay = in_backward and (self.lifecycle.inside_replay() or autograd_context.is_replay_recompute())
         invocation = self.lifecycle.open_forward(module,
@@ -230,7 +262,6 @@ class ModuleInvocationHooks:
         if not boundary.wrapped:
             return None
         invocation.context = boundary
-        self._input_grad_hooks.append(boundary.close_slot_when_done(self))
         return args, kwargs
 
     def post_forward(self, module, args, output):
@@ -243,19 +274,25 @@ class ModuleInvocationHooks:
         if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
             slot = self._new_slot(module, invocation.context)
         if slot is not None:
-            output = apply_to_tensors_only(lambda tensor: self._open_slot_on_grad(slot, tensor), output)
+            wrapped_by_id = {}
+            output = apply_to_tensors_only(lambda tensor: self._open_slot_on_grad(slot, tensor, wrapped_by_id),
+                                           output)
         with autograd_context.outside_selective_checkpoint():
             self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
             if invocation.phase is Phase.RECOMPUTE:
                 self.params.evict_over_budget()
         return output
 
-    def _open_slot_on_grad(self, slot, tensor):
+    def _open_slot_on_grad(self, slot, tensor, wrapped_by_id):
+        """Wrap one output tensor, once per distinct tensor (see [What a module's forward sees])."""
         if not tensor.requires_grad:
             return tensor
-        tensor = _OpenSlotOnGrad.apply(self, slot, tensor)
-        slot.context.open_nodes.append(weakref.ref(tensor.grad_fn))
-        return tensor
+        wrapped = wrapped_by_id.get(id(tensor))
+        if wrapped is None:
+            wrapped = wrapped_by_id[id(tensor)] = _OpenSlotOnGrad.apply(self, slot, tensor)
+            unreachable = self._unreachable_slots
+            slot.context.open_nodes.append(weakref.ref(wrapped.grad_fn, lambda ref: unreachable.append(slot)))
+        return wrapped
 
     def _new_slot(self, module, boundary):
         """The call's backward slot, or None when its backward cannot need any param.
@@ -266,7 +303,7 @@ class ModuleInvocationHooks:
         """
         if boundary is not None:
             slot = self.lifecycle.new_slot(module)
-            slot.context = _SlotContext()
+            slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self))
             boundary.slot = slot
             return slot
         trainable = {param for param in module.parameters() if param.requires_grad}
@@ -274,7 +311,7 @@ class ModuleInvocationHooks:
         if not trainable:
             return None
         slot = self.lifecycle.new_slot(module)
-        slot.context = _SlotContext(awaiting_grads=trainable)
+        slot.context = _SlotContext(awaited_params=trainable)
         for param in trainable:
             self._slots_awaiting_grad.setdefault(param, []).append(slot)
         return slot
@@ -311,13 +348,56 @@ class ModuleInvocationHooks:
             return
         self._reap()
         self.params.release(self.lifecycle.close_backward(slot), slot.module)
+        self._forget_slot(slot)
 
     def _on_param_grad(self, param):
-        slots = self._slots_awaiting_grad.pop(param, None)
-        for slot in slots or ():
+        """A trainable param has its gradient: close the open slots that waited for it last.
+
+        Pending slots keep waiting: they belong to a forward whose backward has not started.
+        """
+        slots = self._slots_awaiting_grad.get(param)
+        if not slots:
+            return
+        for slot in [slot for slot in slots if slot.state is State.OPEN]:
             slot.context.awaiting_grads.discard(param)
             if not slot.context.awaiting_grads:
                 self.close_slot(slot)
+
+    def _forget_slot(self, slot, remove_hook_now=False):
+        """Drop the driver's data of a retired slot. Its input hook goes at the next drain, or now
+        when it cannot be running (the slot's graph is gone)."""
+        context = slot.context
+        if context is None:
+            return
+        for param in context.awaited_params:
+            slots = self._slots_awaiting_grad.get(param)
+            if slots is not None and slot in slots:
+                slots.remove(slot)
+                if not slots:
+                    del self._slots_awaiting_grad[param]
+        if context.input_hook is not None:
+            if remove_hook_now:
+                context.input_hook.remove()
+            else:
+                self._hooks_to_remove.append(context.input_hook)
+            context.input_hook = None
+
+    def _retire_unreachable(self):
+        """Retire the queued slots whose graph is gone.
+
+        Removing a slot's input hook frees its call's input nodes, which may hold the last
+        reference to the opening nodes of the calls that produced those inputs: their slots are
+        queued while this runs, and retired by the same loop.
+        """
+        queue = self._unreachable_slots
+        while queue:
+            slot = queue.pop()
+            if slot.context.reachable():
+                continue
+            if slot.state is State.PENDING:
+                self.params.release(self.lifecycle.retire_unreachable(slot))
+            if slot.state is State.CLOSED:
+                self._forget_slot(slot, remove_hook_now=True)
 
     def _reap(self):
         """Close forwards that never reached their post-hook, and unwind upstream's module stack."""
@@ -339,19 +419,23 @@ class ModuleInvocationHooks:
     def start_root_forward(self):
         aborted = self._backward_task is not None
         self._backward_task = None
-        self._drain("start of forward")
+        self._drain("start of forward", keep_reachable=not aborted)
         if aborted and self.on_aborted_backward is not None:
             self.on_aborted_backward()
         self.accounting.start_step()
 
-    def _drain(self, where):
+    def _drain(self, where, keep_reachable=True):
         self._reap()
-        self._slots_awaiting_grad.clear()
-        for handle in self._input_grad_hooks:
-            handle.remove()
-        self._input_grad_hooks.clear()
+        self._retire_unreachable()
+        reachable = (lambda slot: slot.context.reachable()) if keep_reachable else (lambda slot: False)
+        retired = [slot for slot in self.lifecycle.live() if slot.phase is Phase.BACKWARD and not reachable(slot)]
         before = self.accounting.total_drained_params + self.accounting.total_swept_params
-        self.params.drain(self.offload.module)
+        self.params.drain(self.offload.module, reachable)
+        for slot in retired:
+            self._forget_slot(slot)
+        for handle in self._hooks_to_remove:
+            handle.remove()
+        self._hooks_to_remove.clear()
         found = self.accounting.total_drained_params + self.accounting.total_swept_params - before
         if found:
             logger.debug(f"zero3_ac: drain at {where} released {found} params still gathered")

@@ -183,9 +183,12 @@ class InvocationParams:
         self.accounting.current.evicted_params += len(evicted)
         self.release(evicted)
 
-    def drain(self, root_module) -> None:
-        """Release everything still held, then anything else left gathered (the safety net)."""
-        report = self.lifecycle.drain()
+    def drain(self, root_module, reachable=lambda slot: False) -> None:
+        """Release everything still held, then anything else left gathered (the safety net).
+
+        Pending slots that are still ``reachable`` are kept, without holds.
+        """
+        report = self.lifecycle.drain(reachable)
         self.release(report.params)
         self.coordinator._clean_inflight_param_registry()
         swept = 0
