@@ -2,7 +2,8 @@
 
 The module imports neither torch nor DeepSpeed: modules and params are plain string keys here
 ("m1", "w1"). The rules under test are those of the module's Notes: [Invocations and holds],
-[Backward slots and the ownership map] and [Aborted forwards], plus the hand-off budget.
+[Backward slots and the ownership map], [Slots that will not open], [Several forwards before a
+backward] and [Aborted forwards], plus the hand-off budget.
 """
 
 import pytest
@@ -429,6 +430,50 @@ def test_drain_of_an_empty_lifecycle_reports_nothing():
     assert report.invocations == 0 and report.params == []
 
 
+# ---------------------------------------------------------------------------------------------
+# [Several forwards before a backward]
+
+
+def test_drain_keeps_reachable_pending_slots_without_their_holds():
+    lc = InvocationLifecycle()
+    first, second = lc.new_slot("m1"), lc.new_slot("m1")
+    replay_handoff(lc, "m1", {"w1"}, slot=second)
+    stuck = forward(lc, "m2", ["w2"])
+    report = lc.drain(reachable=lambda slot: slot is second or slot is first)
+    assert sorted(report.params) == ["w1", "w2"] and report.invocations == 2
+    assert stuck.state is State.CLOSED
+    assert first.state is State.PENDING and second.state is State.PENDING and second.holds == set()
+    assert not second.matched, "a kept slot may be matched by the next backward's replay"
+    assert lc.pending_slots("m1") == [first, second]
+
+
+def test_replay_skips_a_newer_slot_this_backward_will_not_open():
+    wont_open = set()
+    lc = InvocationLifecycle(will_open=lambda slot: slot.id not in wont_open)
+    older, newer = lc.new_slot("m1"), lc.new_slot("m1")  # two forwards; the backward of the older runs
+    wont_open.add(newer.id)
+    replay_handoff(lc, "m1", {"f1"}, slot=older)
+    assert older.matched and not newer.matched and newer.holds == set()
+
+
+def test_replay_with_only_unopened_slots_keeps_its_holds_until_the_next_backward_event():
+    lc = InvocationLifecycle(will_open=lambda slot: False)
+    slot = lc.new_slot("m1")
+    inv = recompute(lc, "m1", ["f1"], replay=True)
+    assert lc.close_forward(inv) == [] and lc.is_held("f1") and not slot.matched
+    assert lc.open_backward(lc.new_slot("m2")) == ["f1"]
+
+
+def test_retire_unreachable_retires_a_pending_slot_only():
+    lc = InvocationLifecycle()
+    pending, opened = lc.new_slot("m1"), lc.new_slot("m2")
+    lc.hold(pending, ["w1"])
+    lc.open_backward(opened)
+    assert lc.retire_unreachable(pending) == ["w1"] and pending.state is State.CLOSED
+    assert lc.retire_unreachable(opened) == [] and opened.state is State.OPEN
+    assert lc.pending_slots("m1") == []
+
+
 def test_lifecycle_is_usable_after_drain():
     lc = InvocationLifecycle()
     lc.new_slot("m1")
@@ -722,10 +767,13 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.external_sets = {} if external else None
         holder_set = (lambda p: self.external_sets.setdefault(p, set())) if external else None
         self.budget = budget
+        self.wont_open = set()  # slot ids the running backward will not open
+        self.unreachable = set()  # slot ids whose graph is gone
         self.lc = InvocationLifecycle(numel=PARAM_NUMEL.__getitem__,
                                       frozen=FROZEN.__contains__,
                                       holder_set=holder_set,
-                                      max_handoff_numel=budget)
+                                      max_handoff_numel=budget,
+                                      will_open=lambda slot: slot.id not in self.wont_open)
         self.invs = {}  # every invocation ever made, by id
         self.state = {}  # model state by id
         self.holds = {}  # live id -> set of params
@@ -738,6 +786,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.latest_recompute_batch = 0
         self.recompute_since_backward = False
         self.batch_handoffs = {}  # (slot id, param) -> stale?, hand-offs of the running batch
+        self.unconsumed = []  # replays whose slot will not open: they keep their holds until a reap
         self.freed = set()  # returned as freed and not held since
 
     # ------------------------------------------------------------------ model helpers
@@ -766,11 +815,18 @@ class LifecycleMachine(RuleBasedStateMachine):
         consumer = None
         if inv.phase is Phase.RECOMPUTE:
             if inv.replay:
+                unopened = None
                 for s in reversed(self.slots.get(inv.module, [])):
-                    if self.state[s] is not State.CLOSED and s not in self.matched:
+                    if self.state[s] is State.CLOSED or s in self.matched:
+                        continue
+                    if self.state[s] is State.OPEN or s not in self.wont_open:
                         consumer = s
                         self.matched.add(s)
                         break
+                    unopened = unopened or s
+                if consumer is None and unopened is not None:
+                    self.unconsumed.append(i)  # [Slots that will not open]: kept until a reap
+                    return set()
             elif own is not None and self.state[own.id] is not State.CLOSED:
                 consumer = own.id
         if consumer is None:
@@ -792,6 +848,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         freed = set()
         while self.stack:
             freed |= self._retire_forward(self.stack.pop(), None)
+        while self.unconsumed:
+            freed |= self._retire(self.unconsumed.pop())
         if self.recompute_since_backward:
             self.recompute_since_backward = False
             self.batch += 1
@@ -955,19 +1013,44 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self._evictable():
             assert self.lc.handoff_numel() <= self.budget
 
+    @precondition(lambda self: self.lc is not None and self._slot_ids(open_only=True))
+    @rule(data=st.data())
+    def toggle_will_open(self, data):
+        slot = self._pick(data, self._slot_ids(open_only=True))
+        self.wont_open ^= {slot.id}
+
+    @precondition(lambda self: self.lc is not None and self._slot_ids(open_only=True))
+    @rule(data=st.data())
+    def graph_freed(self, data):
+        """[Several forwards before a backward]: the graph of a pending slot's call is gone."""
+        slot = self._pick(data, self._slot_ids(open_only=True))
+        self.unreachable.add(slot.id)
+        expected = self._retire(slot.id) if self.state[slot.id] is State.PENDING else set()
+        self._check_freed(self.lc.retire_unreachable(slot), expected)
+
     @precondition(lambda self: self.lc is not None)
-    @rule()
-    def drain(self):
+    @rule(keep_reachable=st.booleans())
+    def drain(self, keep_reachable):
         live = list(self.holds)
-        expected = set()
+        kept = {i for i in live if keep_reachable and self.invs[i].phase is Phase.BACKWARD
+                and self.state[i] is State.PENDING and i not in self.unreachable}
+        expected = set().union(*(self.holds[i] for i in live))
+        drained = len([i for i in live if i not in kept or self.holds[i]])
         for i in live:
-            expected |= self._retire(i)
-        report = self.lc.drain()
-        assert report.invocations == len(live)
+            if i in kept:
+                for p in self.holds[i]:
+                    self.keys.pop((i, p), None)
+                self.holds[i] = set()
+            else:
+                self._retire(i)
+        reachable = (lambda slot: slot.id not in self.unreachable) if keep_reachable else (lambda slot: False)
+        report = self.lc.drain(reachable)
+        assert report.invocations == drained
         self._check_freed(report.params, expected)
-        assert all(v == 0 for v in self.lc.size().values()), self.lc.size()
         assert not any(self.lc.is_held(p) for p in PARAMS)
-        self.stack, self.slots, self.keys, self.batch_handoffs = [], {}, {}, {}
+        assert {inv.id for inv in self.lc.live()} == kept
+        self.matched -= kept
+        self.stack, self.keys, self.batch_handoffs, self.unconsumed = [], {}, {}, []
         self.recompute_since_backward = False
 
     # ------------------------------------------------------------------ invariants
@@ -1007,6 +1090,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert size["invocations"] == len(self.holds)
         assert size["held_params"] == sum(1 for p in PARAMS if self._live_holders(p))
         assert size["call_stack"] == len(self.stack)
+        assert size["unconsumed_replays"] == len(self.unconsumed)
         assert size["handoffs"] == len(self.keys)
         assert size["slot_modules"] == sum(
             1 for ids in self.slots.values() if any(self.state[s] is not State.CLOSED for s in ids))
