@@ -195,6 +195,7 @@ class ModuleInvocationHooks:
         self._unreachable_slots = []
         self._hooks_to_remove = []
         self._grad_hooked = set()
+        self._trainable_by_module = {}
         self.on_aborted_backward = None
 
     def bookkeeping_size(self) -> dict:
@@ -306,8 +307,7 @@ class ModuleInvocationHooks:
             slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self))
             boundary.slot = slot
             return slot
-        trainable = {param for param in module.parameters() if param.requires_grad}
-        trainable.update(param for param in module_params(module) if param.requires_grad)
+        trainable = self._trainable_under(module)
         if not trainable:
             return None
         slot = self.lifecycle.new_slot(module)
@@ -315,6 +315,16 @@ class ModuleInvocationHooks:
         for param in trainable:
             self._slots_awaiting_grad.setdefault(param, []).append(slot)
         return slot
+
+    def _trainable_under(self, module):
+        """The trainable params a call of ``module`` can produce gradients for; once per root forward
+        (users may freeze or unfreeze params between steps)."""
+        trainable = self._trainable_by_module.get(module)
+        if trainable is None:
+            trainable = {param for param in module.parameters() if param.requires_grad}
+            trainable.update(param for param in module_params(module) if param.requires_grad)
+            self._trainable_by_module[module] = trainable
+        return trainable
 
     def _register_external_outputs(self, module, output):
         """Params a module returns are external to it: its caller owns them (upstream's rule)."""
@@ -420,6 +430,7 @@ class ModuleInvocationHooks:
         aborted = self._backward_task is not None
         self._backward_task = None
         self._drain("start of forward", keep_reachable=not aborted)
+        self._trainable_by_module.clear()
         if aborted and self.on_aborted_backward is not None:
             self.on_aborted_backward()
         self.accounting.start_step()

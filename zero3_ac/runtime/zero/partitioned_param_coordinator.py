@@ -22,9 +22,24 @@ _PRIVATE = "_PartitionedParameterCoordinator__"
 _TAP_ATTR = "_zero3_ac_tap"
 
 
+_PARAMS_CACHE_ATTR = "_zero3_ac_params"
+
+
 def module_params(module):
-    """The params a module's hooks gather: its own (all of them for a z3 leaf) and external ones."""
-    return list(iter_params(module, recurse=z3_leaf_module(module)))
+    """The params a module's hooks gather: its own (all of them for a z3 leaf) and external ones.
+
+    Computed once per module and kept while the module's own params, its external params and its
+    leaf marking stay the same (checked by identity and size: O(1) per call for a module without
+    external params), since the hooks ask for every module call.
+    """
+    externals = getattr(module, "_external_params", None)
+    key = (module._parameters.__len__(), tuple(externals) if externals else (), z3_leaf_module(module))
+    cached = module.__dict__.get(_PARAMS_CACHE_ATTR)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    params = list(iter_params(module, recurse=key[2]))
+    module.__dict__[_PARAMS_CACHE_ATTR] = (key, params)
+    return params
 
 
 def param_nbytes(param) -> int:
