@@ -101,12 +101,12 @@ def markdown(rows):
             lines.append(f"{head} error: {'; '.join(row['errors'])} | | | | | | |")
             continue
         phases = row.get("zero_gathered_gib_by_phase")
-        gathered = ("/".join(f"{phases.get(p, 0.0):.3f}" for p in ("forward", "recompute", "backward"))
+        gathered = ("/".join(f"{phases.get(p, 0.0):.4g}" for p in ("forward", "recompute", "backward"))
                     if phases else "")
         note = f" ({len(row['errors'])} error)" if row["errors"] else ""
         lines.append(f"{head} {row['step_s']:.4f} ({row['step_s_min']:.4f}-{row['step_s_max']:.4f}; "
                      f"{len(row['step_s_rounds'])}){note} | {row['tokens_per_s']:.0f} | {row['peak_mem_gib']:.3f} | "
-                     f"{row['allgather_calls']:.0f} / {row['allgather_gib']:.3f} | {gathered} | "
+                     f"{row['allgather_calls']:.0f} / {row['allgather_gib']:.4g} | {gathered} | "
                      f"{_number(row['module_calls'], 0)} | {_number(row['host_us_per_module_call'], 1)} |")
     return "\n".join(lines)
 
