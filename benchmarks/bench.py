@@ -28,16 +28,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spawn import start_ranks  # noqa: E402
+from spawn import rank_environment, start_ranks  # noqa: E402
+from workload import MODELS, AllGatherCounter, build_model, zero3_config  # noqa: E402
 
-MODELS = {
-    # TinyLlama-1.1B shape.
-    "tinyllama": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256),
-}
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STRICT = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
 
 
@@ -57,17 +50,8 @@ class Meter:
     """All-gather bytes (torch.distributed) and, through GatherMeter, coordinator gathers by phase."""
 
     def __init__(self):
-        self.allgather_bytes = 0
-        self.allgather_calls = 0
+        self.allgathers = AllGatherCounter()
         self.gathers = None
-        stock = torch.distributed.all_gather_into_tensor
-
-        def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
-            self.allgather_bytes += output_tensor.numel() * output_tensor.element_size()
-            self.allgather_calls += 1
-            return stock(output_tensor, input_tensor, *args, **kwargs)
-
-        torch.distributed.all_gather_into_tensor = all_gather_into_tensor
 
     def attach(self, engine):
         from zero3_ac.utils.gather_meter import GatherMeter
@@ -75,30 +59,9 @@ class Meter:
 
     def take(self):
         gathered = self.gathers.take()
-        taken = dict(allgather_bytes=self.allgather_bytes, allgather_calls=self.allgather_calls,
-                     phase_bytes=gathered["phase_bytes"], peak_live=gathered["peak_bytes"])
-        self.allgather_bytes = self.allgather_calls = 0
-        return taken
-
-
-def build_model(model_name, ac, full, dtype, ds_config=None):
-    """The model in ``dtype``; with ``ds_config``, created already partitioned (``zero.Init``)."""
-    import contextlib
-    import deepspeed
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    init = deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype) if ds_config else contextlib.nullcontext()
-    with init:
-        model = LlamaForCausalLM(LlamaConfig(**MODELS[model_name]))
-    model = model.to(dtype)
-    if ac != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ac == "reentrant"})
-        if ac == "reentrant":
-            model.enable_input_require_grads()
-    if not full:
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
-    return model
+        calls, nbytes = self.allgathers.take()
+        return dict(allgather_bytes=nbytes, allgather_calls=calls, phase_bytes=gathered["phase_bytes"],
+                    peak_live=gathered["peak_bytes"])
 
 
 def run_one(args, meter, impl, ac, strict, full, rank, world_size):
@@ -109,13 +72,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
     else:
         zero3_ac.remove()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    zero = {"stage": 3, **(STRICT if strict else {}), **dict(args.zero_option)}
-    if args.device == "cpu":
-        zero["stage3_param_persistence_threshold"] = 0
-    config = {"train_micro_batch_size_per_gpu": args.mbs, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "zero_optimization": zero}
-    if dtype == torch.bfloat16:
-        config["bf16"] = {"enabled": True}
+    config = zero3_config(args.device, args.mbs, dtype, {**(STRICT if strict else {}), **dict(args.zero_option)})
     baseline = torch.cuda.memory_allocated() if args.device == "cuda" else 0
     model = build_model(args.model, ac, full, dtype, ds_config=config if args.device == "cuda" else None)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -181,12 +138,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
 
 
 def worker(rank, world_size, port, args, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if args.device == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    else:
-        torch.cuda.set_device(rank)
+    rank_environment(rank, world_size, port, args.device)
     import warnings
     warnings.filterwarnings("ignore")
     meter = Meter()

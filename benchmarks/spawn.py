@@ -1,5 +1,6 @@
 """Start one spawned worker process per rank on a free local port; results come back through a queue."""
 
+import os
 import socket
 
 import torch
@@ -16,3 +17,13 @@ def start_ranks(worker, nproc, args):
     for process in processes:
         process.start()
     return processes, queue
+
+
+def rank_environment(rank, world_size, port, device):
+    """In a rank process: the variables torch.distributed and DeepSpeed read, and the rank's device."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    else:
+        torch.cuda.set_device(rank)

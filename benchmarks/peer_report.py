@@ -1,0 +1,182 @@
+"""The peer benchmark's summary: medians over rounds, a markdown table with definitions, a PNG chart.
+
+    python benchmarks/peer_report.py RESULTS_DIR      # rewrites README.md and peers.png from results.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+
+SYSTEM_ORDER = ("plain", "fsdp2", "stock", "fork")
+
+NOTES = """\
+Definitions (rank 0 unless said otherwise):
+- Step time: wall time of forward + backward + optimizer step of one micro-batch (on GPU between two
+  `torch.cuda.synchronize()`). Each run (one fresh set of processes) reports the median of its measured
+  steps after the warm-up steps; the table gives the median of those run medians over the rounds and
+  their min-max.
+- Tokens/s: world size x micro-batch x sequence length / median step time.
+- Peak memory: on GPU `torch.cuda.max_memory_allocated()` over the measured steps; on CPU the process's
+  peak resident set (VmHWM, reset after warm-up: the Python process, torch and all libraries included).
+  The largest rank.
+- All-gather calls and GiB per step: every `torch.distributed` all-gather call (`all_gather_into_tensor`,
+  `all_gather_single`, `_all_gather_base`, `all_gather`; a call that delegates to another counts once) and
+  the bytes of its output, mean over the measured steps. ZeRO-3 at world size 1 issues none (it copies its
+  single partition); so does FSDP2 on torch 2.13 (`FSDPParamGroup` skips the collective at world size 1);
+  the counter reports what the installed torch did.
+  "ZeRO gathered" is what the ZeRO-3 param coordinator gathered (`zero3_ac.utils.gather_meter.GatherMeter`,
+  the same instrument on stock and fork), which counts at world size 1 too.
+- Host time per module call: one extra step after the measured ones runs under `torch.profiler` while a
+  global forward pre-hook counts `nn.Module` calls (forward and recompute). Busy time of that step: on GPU
+  the union of all CUDA kernel, copy and memset intervals; on CPU the union of outermost operator events
+  (`aten::`, `c10d::`, `fsdp::`, `_c10d_functional::`). Host time per module call: on GPU (median
+  unprofiled step time - busy time) / module calls, the time the GPU sits idle per module call (the host
+  falling behind, plus communication waits that nothing overlaps); on CPU (profiled step time - busy
+  time) / module calls, the step's time outside operators (Python, hooks, framework bookkeeping, waits)
+  per module call, both from the profiled step since the profiler stretches the operators it records.
+
+Where the peers' settings differ:
+- plain: the same PEFT model and checkpointing on one device, no sharding, world size 1 only; torch AdamW
+  on the trainable params in the model's dtype (on GPU bf16: bf16 optimizer state, no fp32 master weights);
+  `clip_grad_norm_(1.0)`; the LoRA adapters are cast to bf16 with the model (PEFT alone keeps them fp32).
+- fsdp2: as plain, then `fully_shard` on every `LlamaDecoderLayer` and on the root, after PEFT wrapping,
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)` on bf16 params: sharded params, gradients
+  and AdamW state all bf16, no fp32 master weights; gradient reduce in bf16.
+- stock / fork: DeepSpeed ZeRO-3 with its defaults, `bf16.enabled` on GPU: fp32 master weights and fp32
+  AdamW state for the trainable params (frozen params bf16 only), torch AdamW as the client optimizer,
+  `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
+  `stage3_param_persistence_threshold 0`. Stock and fork differ only in `ZERO3_AC_DISABLE=1`.
+  For the full fine-tune that is 16 bytes per param of optimizer-side state against 8 for plain and FSDP2.
+- On CPU everything is fp32 (no mixed precision), gloo.
+- All: AdamW lr 1e-4, random token ids (the same seed per rank for every system), labels = inputs.
+"""
+
+
+def summarize(runs):
+    """One row per (shape, world, system, mode, ac): medians over the rounds that ran without error."""
+    groups = {}
+    for run in runs:
+        key = (run["shape"], run["world"], run["system"], run["mode"], run["ac"])
+        groups.setdefault(key, []).append(run)
+    rows = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1], k[3], k[4], SYSTEM_ORDER.index(k[2]))):
+        shape, world, system, mode, ac = key
+        ok = [run for run in groups[key] if not run["error"]]
+        row = dict(shape=shape, world=world, system=system, mode=mode, ac=ac, runs=len(groups[key]),
+                   errors=sorted({run["error"] for run in groups[key] if run["error"]}))
+        if ok:
+            medians = [run["step_s_median"] for run in ok]
+
+            def median(name):
+                values = [run[name] for run in ok if run.get(name) is not None]
+                return statistics.median(values) if values else None
+
+            row.update(step_s=statistics.median(medians), step_s_min=min(medians), step_s_max=max(medians),
+                       step_s_rounds=[round(value, 4) for value in medians], tokens_per_s=median("tokens_per_s"),
+                       peak_mem_gib=max(run["peak_mem_gib"] for run in ok), peak_mem_kind=ok[0]["peak_mem_kind"],
+                       allgather_calls=median("allgather_calls_per_step"),
+                       allgather_gib=median("allgather_gib_per_step"),
+                       module_calls=median("module_calls_per_step"), busy_s=median("busy_s"),
+                       host_us_per_module_call=median("host_us_per_module_call"))
+            phases = [run["zero_gathered_gib_by_phase"] for run in ok if "zero_gathered_gib_by_phase" in run]
+            if phases:
+                row["zero_gathered_gib_by_phase"] = {phase: statistics.median(p[phase] for p in phases)
+                                                     for phase in phases[0]}
+        rows.append(row)
+    return rows
+
+
+def _number(value, digits):
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(rows):
+    lines = ["| shape | world | mode | checkpointing | system | step s median (min-max; rounds) | tokens/s | peak GiB "
+             "| all-gather calls / GiB per step | ZeRO gathered GiB fwd/rec/bwd | module calls/step "
+             "| host us/module call |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        head = f"| {row['shape']} | {row['world']} | {row['mode']} | {row['ac']} | {row['system']} |"
+        if "step_s" not in row:
+            lines.append(f"{head} error: {'; '.join(row['errors'])} | | | | | | |")
+            continue
+        phases = row.get("zero_gathered_gib_by_phase")
+        gathered = ("/".join(f"{phases.get(p, 0.0):.4g}" for p in ("forward", "recompute", "backward"))
+                    if phases else "")
+        note = f" ({len(row['errors'])} error)" if row["errors"] else ""
+        lines.append(f"{head} {row['step_s']:.4f} ({row['step_s_min']:.4f}-{row['step_s_max']:.4f}; "
+                     f"{len(row['step_s_rounds'])}){note} | {row['tokens_per_s']:.0f} | {row['peak_mem_gib']:.3f} | "
+                     f"{row['allgather_calls']:.0f} / {row['allgather_gib']:.4g} | {gathered} | "
+                     f"{_number(row['module_calls'], 0)} | {_number(row['host_us_per_module_call'], 1)} |")
+    return "\n".join(lines)
+
+
+def line(run):
+    label = f"{run['shape']} world {run['world']} {run['system']:<5} {run['mode']:<4} {run['ac']:<12} round {run['round']}"
+    if run["error"]:
+        return f"{label}  ERROR {run['error']}"
+    return (f"{label}  {run['step_s_median']:.4f} s  {run['tokens_per_s']:.0f} tok/s  peak {run['peak_mem_gib']:.3f} GiB  "
+            f"all-gather {run['allgather_calls_per_step']:.0f} calls {run['allgather_gib_per_step']:.3f} GiB  "
+            f"host {_number(run['host_us_per_module_call'], 1)} us/call")
+
+
+def readme(document):
+    settings, env = document["settings"], document["environment"]
+    status = "" if document["complete"] else "\n**Incomplete**: the run stopped early (budget, or still running).\n"
+    if document.get("note"):
+        status += f"\n{document['note']}\n"
+    versions = ", ".join(f"{name} {value}" for name, value in env.items())
+    return (f"# Peer benchmark: {settings['shape']} shape on {settings['device']}\n{status}\n"
+            f"Command (from the repository root):\n\n    {document['command']}\n\n"
+            f"Environment: {versions}.\n\nModel `{settings['model']}`, sequence {settings['seq']}, micro-batch "
+            f"{settings['mbs']} per rank, {settings['warmup']} warm-up + {settings['steps']} measured steps per run, "
+            f"{settings['rounds']} round(s) asked, world sizes {settings['world']}. Raw runs: results.json; "
+            f"chart: peers.png.\n\n{markdown(document['summary'])}\n\n{NOTES}")
+
+
+def chart(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [row for row in rows if "step_s" in row]
+    groups = list(dict.fromkeys((row["shape"], row["world"], row["mode"], row["ac"]) for row in rows))
+    systems = [system for system in SYSTEM_ORDER if any(row["system"] == system for row in rows)]
+    width = 0.8 / max(len(systems), 1)
+    panels = (("step_s", "step time s (median, min-max over rounds)"), ("peak_mem_gib", "peak memory GiB"),
+              ("host_us_per_module_call", "host us per module call"))
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5))
+    for axis, (metric, title) in zip(axes, panels):
+        for index, system in enumerate(systems):
+            found = [next((row for row in rows if row["system"] == system and
+                           (row["shape"], row["world"], row["mode"], row["ac"]) == group), None) for group in groups]
+            values = [(row or {}).get(metric) or 0 for row in found]
+            positions = [i + (index - (len(systems) - 1) / 2) * width for i in range(len(groups))]
+            errors = None
+            if metric == "step_s":
+                errors = [[(row["step_s"] - row["step_s_min"]) if row else 0 for row in found],
+                          [(row["step_s_max"] - row["step_s"]) if row else 0 for row in found]]
+            axis.bar(positions, values, width=width, label=system, yerr=errors, capsize=2)
+        axis.set_xticks(range(len(groups)))
+        axis.set_xticklabels([f"{shape} w{world}\n{mode}\n{ac}" for shape, world, mode, ac in groups], fontsize=7)
+        axis.set_title(title)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results_dir")
+    args = parser.parse_args()
+    with open(os.path.join(args.results_dir, "results.json")) as source:
+        document = json.load(source)
+    document["summary"] = summarize(document["runs"])
+    with open(os.path.join(args.results_dir, "README.md"), "w") as out:
+        out.write(readme(document))
+    chart(document["summary"], os.path.join(args.results_dir, "peers.png"))
+    print(markdown(document["summary"]))
+
+
+if __name__ == "__main__":
+    main()

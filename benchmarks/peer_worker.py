@@ -1,0 +1,253 @@
+"""One rank of one peer-benchmark configuration: a system (plain, fsdp2, stock, fork), LoRA or full, a checkpointing mode.
+
+``peers.py`` starts a fresh set of these processes for every configuration and round. Stock and fork
+differ only in ``ZERO3_AC_DISABLE`` in the process environment: the installed package's start-up hook
+applies the fork when DeepSpeed is imported unless it is set; the worker checks which one ran.
+"""
+
+import statistics
+import time
+import warnings
+
+import torch
+
+from spawn import rank_environment
+from workload import MODELS, AllGatherCounter, build_model, zero3_config
+
+SYSTEMS = ("plain", "fsdp2", "stock", "fork")
+ZERO_SYSTEMS = ("stock", "fork")
+GIB = 1024**3
+# Namespaces of the profiler's operator events that do a step's work (compute, collectives);
+# the rest of a CPU step is host-side framework time.
+WORK_OPS = ("aten::", "c10d::", "fsdp::", "_c10d_functional::")
+
+
+class PeakMemory:
+    """Peak memory over the measured steps: ``torch.cuda.max_memory_allocated``, or on CPU the process's peak RSS.
+
+    On CPU the kernel's peak (VmHWM) is reset by writing 5 to /proc/self/clear_refs; where that is
+    refused, the peak since the process started (``ru_maxrss``, model construction included) is kept.
+    """
+
+    def __init__(self, device):
+        self.device = device
+        self.kind = "cuda max_memory_allocated" if device == "cuda" else "peak RSS (VmHWM)"
+
+    def reset(self):
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        except OSError:
+            self.kind = "peak RSS since start (ru_maxrss)"
+
+    def peak_gib(self):
+        if self.device == "cuda":
+            return torch.cuda.max_memory_allocated() / GIB
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / GIB
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+
+
+def busy_seconds(profile, device):
+    """Time covered by the step's work in a profile: the union of CUDA kernel/copy intervals on GPU;
+    on CPU the union of outermost operator events (``WORK_OPS``; an op inside another op counts once).
+    None where the profile holds no such event."""
+    from torch.autograd import DeviceType
+    if device == "cuda":
+        # The raw events: building the profiler's event tree of a large ZeRO step takes many seconds.
+        spans = [(event.start_ns() / 1e3, event.end_ns() / 1e3) for event in profile.profiler.kineto_results.events()
+                 if event.device_type() == DeviceType.CUDA]
+        return _covered_seconds(spans)
+    spans = []
+    for event in profile.events():
+        if event.device_type != DeviceType.CPU or not event.name.startswith(WORK_OPS):
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.name.startswith(WORK_OPS):
+            parent = parent.cpu_parent
+        if parent is None:
+            spans.append((event.time_range.start, event.time_range.end))
+    return _covered_seconds(spans)
+
+
+def _covered_seconds(spans):
+    """Seconds covered by the union of (start, end) intervals in microseconds; None for none."""
+    if not spans:
+        return None
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / 1e6
+
+
+def module_calls_and_busy(step, device):
+    """One more step under the profiler with a global forward pre-hook: (module calls, busy s, wall s)."""
+    calls = [0]
+
+    def count(module, inputs):
+        calls[0] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:
+        with torch.profiler.profile(activities=activities) as profile:
+            start = time.perf_counter()
+            step()
+            wall = time.perf_counter() - start
+    finally:
+        handle.remove()
+    return calls[0], busy_seconds(profile, device), wall
+
+
+def plain_step(model, optimizer, trainable):
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def fsdp2_shard(model, device, world_size, dtype):
+    """``fully_shard`` on every decoder layer, then on the root, bf16 params on GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    mesh = init_device_mesh(device, (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    for layer in [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)]:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def setup(args, system, world_size, device_name):
+    """(step function, ZeRO engine or None, trainable param count) for ``system``."""
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    full = args.mode == "full"
+    if system in ZERO_SYSTEMS:
+        import deepspeed
+        import zero3_ac
+        if zero3_ac.is_active() != (system == "fork"):
+            raise RuntimeError(f"{system} asked for, but zero3_ac.is_active() is {zero3_ac.is_active()}")
+        config = zero3_config(args.device, args.mbs, dtype)
+        model = build_model(args.model, args.ac, full, dtype, ds_config=config if args.device == "cuda" else None)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+        def step(ids):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return step, engine, sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
+    model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name, dtype=dtype)
+    if system == "fsdp2":
+        model = fsdp2_shard(model, args.device, world_size, dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in trainable) * (world_size if system == "fsdp2" else 1)
+    return plain_step(model, torch.optim.AdamW(trainable, lr=1e-4), trainable), None, count
+
+
+def measure(args, system, rank, world_size, allgathers):
+    device_name = f"cuda:{rank}" if args.device == "cuda" else "cpu"
+    step, engine, trainable = setup(args, system, world_size, device_name)
+    gathers = None
+    if engine is not None:
+        from zero3_ac.utils.gather_meter import GatherMeter
+        gathers = GatherMeter(engine)
+    peak = PeakMemory(args.device)
+    generator = torch.Generator().manual_seed(1234 + rank)
+    vocab = MODELS[args.model]["vocab_size"]
+
+    def batch():
+        return torch.randint(0, vocab, (args.mbs, args.seq), generator=generator).to(device_name)
+
+    def synchronize():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
+    times, calls, nbytes, phases = [], [], [], []
+    for index in range(args.warmup + args.steps):
+        ids = batch()
+        if index == args.warmup:
+            allgathers.take()
+            if gathers is not None:
+                gathers.take()
+            peak.reset()
+        synchronize()
+        start = time.perf_counter()
+        loss = step(ids)
+        synchronize()
+        elapsed = time.perf_counter() - start
+        if index >= args.warmup:
+            times.append(elapsed)
+            step_calls, step_bytes = allgathers.take()
+            calls.append(step_calls)
+            nbytes.append(step_bytes)
+            if gathers is not None:
+                phases.append(gathers.take()["phase_bytes"])
+    peak_gib = peak.peak_gib()
+    ids = batch()
+
+    def profiled_step():
+        step(ids)
+        synchronize()
+
+    module_calls, busy_s, profiled_s = module_calls_and_busy(profiled_step, args.device)
+    step_s = statistics.median(times)
+    # Note: [Host time per module call] On GPU the profiler slows the host, not the kernels: the idle
+    # time is the unprofiled median step less the profiled step's kernel time. On CPU the profiler
+    # stretches the operators it records, so both sides of the difference come from the profiled step.
+    host_s = None if busy_s is None else (step_s if args.device == "cuda" else profiled_s) - busy_s
+    result = dict(step_s=times, step_s_median=step_s, tokens_per_s=world_size * args.mbs * args.seq / step_s,
+                  peak_mem_gib=peak_gib, peak_mem_kind=peak.kind, trainable_params=trainable,
+                  allgather_calls_per_step=statistics.mean(calls), allgather_gib_per_step=statistics.mean(nbytes) / GIB,
+                  module_calls_per_step=module_calls, busy_s=busy_s, profiled_step_s=profiled_s,
+                  host_us_per_module_call=host_s / module_calls * 1e6 if module_calls and host_s is not None else None,
+                  last_loss=float(loss.item()))
+    if phases:
+        result["zero_gathered_gib_by_phase"] = {phase: statistics.mean(p[phase] for p in phases) / GIB
+                                                for phase in phases[0]}
+        import zero3_ac
+        result["fork_active"] = zero3_ac.is_active()
+    return result
+
+
+def worker(rank, world_size, port, args, queue):
+    rank_environment(rank, world_size, port, args.device)
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    allgathers = AllGatherCounter()
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    try:
+        if args.system in ZERO_SYSTEMS:
+            import deepspeed
+            from deepspeed.utils import logger
+            logger.setLevel("ERROR")
+            deepspeed.init_distributed(dist_backend=backend)
+        elif args.system == "fsdp2":
+            torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        result = measure(args, args.system, rank, world_size, allgathers)
+        result["error"] = None
+    except Exception as exc:
+        result = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+    queue.put((rank, result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,181 @@
+"""Plain PyTorch, FSDP2, stock DeepSpeed ZeRO-3 and the fork on one workload, interleaved in rounds.
+
+    python benchmarks/peers.py --device cpu --shape small --world 1,2 --rounds 2 --out benchmarks/results/x
+    python benchmarks/peers.py --device cuda --shape 1.1b --systems plain,fsdp2,stock,fork --modes lora,full
+
+Every (world size, system, mode, checkpointing) configuration runs in a fresh set of rank processes;
+a round runs every configuration once (each round starts one configuration later, so that no
+configuration always runs first), and rounds repeat until ``--rounds`` or ``--budget-s``. Stock and
+fork differ only in ``ZERO3_AC_DISABLE=1`` in the child environment. Writes results.json (every run
+and the summary), README.md (the table, the command line, definitions) and peers.png to ``--out``.
+Definitions and where the peers' settings differ: ``peer_report.NOTES``.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_report  # noqa: E402
+from peer_worker import SYSTEMS, worker  # noqa: E402
+from spawn import start_ranks  # noqa: E402
+
+SHAPES = {"small": "tiny", "1.1b": "tinyllama", "8b": "llama3-8b"}
+MODES = ("lora", "full")
+CHECKPOINTING = ("nonreentrant", "reentrant")
+
+
+def listed(choices):
+    def parse(text):
+        values = [value.strip() for value in text.split(",") if value.strip()]
+        unknown = [value for value in values if value not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {','.join(choices)}")
+        return values
+
+    return parse
+
+
+def configurations(args):
+    """(world, system, mode, ac) in the order a round runs them, the systems of one setting side by side;
+    plain runs at world size 1 only."""
+    return [(world, system, mode, ac) for world in args.world for mode in args.modes for ac in args.ac
+            if not (mode == "full" and ac in args.lora_only_ac)
+            for system in args.systems if not (system == "plain" and world > 1)]
+
+
+def run_configuration(args, world, system, mode, ac):
+    """One configuration in fresh processes; the rank results merged (peak memory: the largest rank's)."""
+    child = argparse.Namespace(**{**vars(args), "system": system, "mode": mode, "ac": ac})
+    saved = os.environ.get("ZERO3_AC_DISABLE")
+    os.environ["ZERO3_AC_DISABLE"] = "0" if system == "fork" else "1"
+    try:
+        processes, queue = start_ranks(worker, world, child)
+    finally:
+        if saved is None:
+            os.environ.pop("ZERO3_AC_DISABLE")
+        else:
+            os.environ["ZERO3_AC_DISABLE"] = saved
+    deadline = time.monotonic() + args.timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    timed_out = [process for process in processes if process.is_alive()]
+    for process in timed_out:
+        process.kill()
+        process.join()
+    ranks = {}
+    while not queue.empty():
+        rank, result = queue.get()
+        ranks[rank] = result
+    result = dict(ranks.get(0) or {})
+    if timed_out:
+        result.setdefault("error", None)
+        result["error"] = result["error"] or f"timed out after {args.timeout_s} s"
+    elif len(ranks) < world:
+        result["error"] = result.get("error") or f"{world - len(ranks)} rank(s) died without a result"
+    elif any(rank.get("error") for rank in ranks.values()):
+        result["error"] = next(rank["error"] for rank in ranks.values() if rank.get("error"))
+    if not result["error"]:
+        result["peak_mem_gib_by_rank"] = [ranks[rank]["peak_mem_gib"] for rank in sorted(ranks)]
+        result["peak_mem_gib"] = max(result["peak_mem_gib_by_rank"])
+    result.update(world=world, system=system, mode=mode, ac=ac, shape=args.shape, model=args.model, seq=args.seq,
+                  mbs=args.mbs, device=args.device)
+    return result
+
+
+def environment():
+    import torch
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "peft", "deepspeed"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    if torch.cuda.is_available():
+        versions["gpu"] = torch.cuda.get_device_name(0)
+        versions["gpus"] = torch.cuda.device_count()
+    versions["cpus"] = os.cpu_count()
+    return versions
+
+
+def write(args, command, runs, complete):
+    os.makedirs(args.out, exist_ok=True)
+    rows = peer_report.summarize(runs)
+    settings = dict(device=args.device, shape=args.shape, model=args.model, seq=args.seq, mbs=args.mbs,
+                    warmup=args.warmup, steps=args.steps, rounds=args.rounds, world=args.world)
+    document = dict(command=command, complete=complete, note=args.note, settings=settings,
+                    environment=args.environment, notes=peer_report.NOTES, summary=rows, runs=runs)
+    with open(os.path.join(args.out, "results.json"), "w") as out:
+        json.dump(document, out, indent=1)
+    with open(os.path.join(args.out, "README.md"), "w") as out:
+        out.write(peer_report.readme(document))
+    if rows:
+        peer_report.chart(rows, os.path.join(args.out, "peers.png"))
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on CPU, 1.1b on GPU")
+    parser.add_argument("--systems", type=listed(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--modes", type=listed(MODES), default=list(MODES))
+    parser.add_argument("--ac", type=listed(CHECKPOINTING), default=list(CHECKPOINTING))
+    parser.add_argument("--lora-only-ac", type=listed(CHECKPOINTING), default=[],
+                        help="checkpointing modes to run for LoRA only (not for the full fine-tune)")
+    parser.add_argument("--world", type=listed([str(n) for n in range(1, 65)]), default=["1"],
+                        help="world sizes, comma separated (plain runs at 1 only)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per run")
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--mbs", type=int, default=None)
+    parser.add_argument("--timeout-s", type=float, default=600, help="per configuration run")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--note", default="", help="a paragraph for the top of README.md (machine, load)")
+    args = parser.parse_args(argv)
+    gpu = args.device == "cuda"
+    args.world = [int(world) for world in args.world]
+    args.shape = args.shape or ("1.1b" if gpu else "small")
+    args.model = SHAPES[args.shape]
+    args.seq = args.seq or (2048 if gpu else 64)
+    args.mbs = args.mbs or (1 if args.shape == "8b" else 2)
+    args.warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
+    args.steps = args.steps if args.steps is not None else (5 if gpu else 3)
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    command = "python " + shlex.join([os.path.relpath(sys.argv[0]) if argv is None else "benchmarks/peers.py",
+                                      *(sys.argv[1:] if argv is None else argv)])
+    args.environment = environment()
+    configs = configurations(args)
+    started = time.monotonic()
+    runs, complete = [], True
+    for round_index in range(args.rounds):
+        shift = round_index % len(configs)
+        for world, system, mode, ac in configs[shift:] + configs[:shift]:
+            if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+                complete = False
+                break
+            result = run_configuration(args, world, system, mode, ac)
+            result["round"] = round_index
+            runs.append(result)
+            print(peer_report.line(result), flush=True)
+            write(args, command, runs, complete=False)
+        if not complete:
+            print(f"budget of {args.budget_s} s spent: stopped in round {round_index}", flush=True)
+            break
+    write(args, command, runs, complete)
+    print(peer_report.markdown(peer_report.summarize(runs)))
+    return 0 if complete and not any(run["error"] for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The peer benchmark (benchmarks/peers.py) on the device machine: plain PyTorch, FSDP2, stock ZeRO-3 and the fork,
+# about 9 minutes in all. Needs the wheels of scripts/fetch_gpu_wheels.sh in .whl (carried).
+#   bash benchmarks/run_peers_gpu.sh [OUTDIR]      (OUTDIR defaults to $OUT; WORLDS=1,2 adds world size 2)
+# 1.1B shape: LoRA non-reentrant and reentrant, full fine-tune non-reentrant, all four systems, rounds until
+# about 4.5 minutes have passed; then the Llama-3-8B shape, LoRA non-reentrant, all four, until the rest is spent.
+set -uo pipefail
+OUTDIR=${1:-$OUT}
+WORLDS=${WORLDS:-1}
+START=$SECONDS
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+# The installed package's zero3_ac.pth applies the fork in every process; PYTHONPATH entries do not
+# read .pth files, so a sitecustomize does the same here (ZERO3_AC_DISABLE=1 keeps a process stock).
+echo "import zero3_ac._autoload" >/tmp/site/sitecustomize.py
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p "$OUTDIR/1.1b" "$OUTDIR/8b"
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c 'import torch, transformers, peft, deepspeed, zero3_ac; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "deepspeed", deepspeed.__version__, "fork active", zero3_ac.is_active())'
+} 2>&1 | tee "$OUTDIR/environment.txt"
+common="--device cuda --world $WORLDS --systems plain,fsdp2,stock,fork --warmup 2 --steps 4 --timeout-s 150"
+python3 benchmarks/peers.py $common --shape 1.1b --modes lora,full --ac nonreentrant,reentrant \
+    --lora-only-ac reentrant --rounds 3 --budget-s 270 --out "$OUTDIR/1.1b" 2>&1 | tee "$OUTDIR/peers.log" | grep -v -i warn
+left=$((500 - (SECONDS - START)))
+python3 benchmarks/peers.py $common --shape 8b --modes lora --ac nonreentrant --rounds 3 --budget-s $((left > 60 ? left - 60 : 0)) \
+    --out "$OUTDIR/8b" 2>&1 | tee -a "$OUTDIR/peers.log" | grep -v -i warn
+echo "wall $((SECONDS - START)) s" | tee -a "$OUTDIR/environment.txt"
