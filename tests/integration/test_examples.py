@@ -78,7 +78,7 @@ def _output(result):
     return f"exit {result.returncode}\n--- stdout (tail)\n{result.stdout[-4000:]}\n--- stderr (tail)\n{result.stderr[-6000:]}"
 
 
-def assert_trained_with_the_fork(result, summaries):
+def assert_trained_with_the_fork(result, summaries, loss_decreases=True):
     assert result.returncode == 0, _output(result)
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     for rank, summary in summaries.items():
@@ -88,7 +88,7 @@ def assert_trained_with_the_fork(result, summaries):
         assert summary["use_reentrant"] is False, context
         losses = summary["losses"]
         assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), context
-        assert losses[-1] < losses[0], context
+        assert losses[-1] < losses[0] or not loss_decreases, context
         assert [step["params_gathered_after_step"] for step in summary["steps"]] == [0] * STEPS, context
         assert [step["frozen_backward_regathers"] for step in summary["steps"]] == [0] * STEPS, context
         assert all(step["gathered_bytes"]["recompute"] > 0 for step in summary["steps"]), context
