@@ -123,6 +123,20 @@ class LifecycleProbe(TrainerCallback):
         return path
 
 
+def train_with_probe(trainer, summary_dir=None):
+    """``trainer.train()`` with a :class:`LifecycleProbe`; the summary is written even when training fails."""
+    probe = LifecycleProbe(trainer, summary_dir)
+    trainer.add_callback(probe)
+    try:
+        trainer.train()
+    except Exception as error:
+        probe.record_error(error)
+        raise
+    finally:
+        probe.write()
+    return probe
+
+
 def _version(name):
     try:
         return metadata.version(name)

@@ -16,7 +16,8 @@ counts down. On CPU:
 import tempfile
 
 from hf_trainer_lora import argument_parser, build_model, check_world_size
-from lifecycle_probe import LifecycleProbe
+from clean_exit import process_groups_destroyed_at_exit
+from lifecycle_probe import train_with_probe
 from trl_sft_lora import build_tokenizer, keep_non_reentrant_checkpointing
 
 SPECIAL_TOKENS = 2  # t0 pads, t1 ends a completion
@@ -78,16 +79,9 @@ def main(argv=None):
                          processing_class=build_tokenizer(args.vocab_size))
     if not (args.trl_default or args.use_reentrant):
         keep_non_reentrant_checkpointing(trainer)
-    probe = LifecycleProbe(trainer, args.summary)
-    trainer.add_callback(probe)
-    try:
-        trainer.train()
-    except Exception as error:
-        probe.record_error(error)
-        raise
-    finally:
-        probe.write()
+    train_with_probe(trainer, args.summary)
 
 
 if __name__ == "__main__":
-    main()
+    with process_groups_destroyed_at_exit():
+        main()

@@ -18,7 +18,8 @@ import math
 
 import pytest
 
-from tests.integration.test_examples import STEPS, STOCK_CRASHES, WORLD_SIZE, _output, assert_trained_with_the_fork, launch
+from tests.integration.test_examples import (STEPS, STOCK_CRASHES, WORLD_SIZE, _output, assert_exited_cleanly,
+                                             assert_trained_with_the_fork, launch)
 
 # Fork and stock gather the same values and reduce the same gradients: the runs agree to the last
 # bit in practice; the tolerance leaves room for a reduction order that differs, not for a wrong step.
@@ -31,7 +32,7 @@ def stock_reference(example, tmp_path, *args):
     """The example on stock DeepSpeed (``ZERO3_AC_DISABLE=1``): non-reentrant if stock runs it, else reentrant."""
     reentrant = ("--use-reentrant",) if STOCK_REFERENCE_REENTRANT else ()
     result, summaries = launch("accelerate", example, tmp_path / "stock", *args, *reentrant, ZERO3_AC_DISABLE="1")
-    assert result.returncode == 0, _output(result)
+    assert_exited_cleanly(result)
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     for rank, summary in summaries.items():
         context = f"stock rank {rank}: {summary}"
