@@ -111,14 +111,15 @@ def _destroy_process_group():
     Neither DeepSpeed, the HF Trainer nor TRL destroys the process groups it uses (accelerate does in
     ``Accelerator.end_training()``, which the Trainer does not call), so each rank of the examples
     and of this self-test reached interpreter shutdown with its gloo groups still registered and
-    their C++ threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) running. A C++ thread that needs the
-    GIL while the interpreter finalizes (to free the last reference of a tensor of a collective) is
-    ended inside C++ code and the process aborts: ``terminate called without an active exception``,
-    SIGABRT, a nonzero exit of a rank that trained fine (pytorch/pytorch#190489; the atexit
-    ``destroy_process_group`` of pytorch/pytorch#179291 was abandoned). So every rank destroys its
-    groups before it returns, and a rank's exit code counts, not only its report. Gloo's
-    ``shutdown()`` is a no-op: its threads stop when the last reference to the group goes, which the
-    DeepSpeed engine can still hold at exit; the destroy takes the groups out of torch's registry.
+    their C++ threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) running. That is the state in which a
+    rank that trained fine can abort at exit with ``terminate called without an active exception``
+    (SIGABRT): pytorch/pytorch#190489 reports it for gloo without ``destroy_process_group``, and
+    pytorch/pytorch#179291 (an atexit ``destroy_process_group``, abandoned) explains it by a gloo
+    thread that frees a tensor of a collective, and so needs the GIL, while the interpreter
+    finalizes. So every rank destroys its groups before it returns, and a rank's exit code counts,
+    not only its report. What this does not do: gloo's ``shutdown()`` is a no-op in torch 2.13, and
+    its threads stop only when the last reference to the group goes, which DeepSpeed keeps after
+    the destroy (``deepspeed.utils.groups._WORLD_GROUP`` among others).
     """
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
