@@ -29,7 +29,8 @@ import tempfile
 import torch
 from torch.utils.data import Dataset
 
-from lifecycle_probe import LifecycleProbe
+from clean_exit import process_groups_destroyed_at_exit
+from lifecycle_probe import train_with_probe
 
 
 class RepeatingSequences(Dataset):
@@ -132,16 +133,9 @@ def main(argv=None):
     check_world_size(training_args)
     dataset = RepeatingSequences(args.batch_size * training_args.world_size, args.seq_len, args.vocab_size)
     trainer = Trainer(model=build_model(args), args=training_args, train_dataset=dataset)
-    probe = LifecycleProbe(trainer, args.summary)
-    trainer.add_callback(probe)
-    try:
-        trainer.train()
-    except Exception as error:
-        probe.record_error(error)
-        raise
-    finally:
-        probe.write()
+    train_with_probe(trainer, args.summary)
 
 
 if __name__ == "__main__":
-    main()
+    with process_groups_destroyed_at_exit():
+        main()

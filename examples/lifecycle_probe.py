@@ -22,12 +22,20 @@ def gathered_params(engine) -> int:
 
 
 def checkpointing_use_reentrant(model):
-    """``use_reentrant`` of the checkpoint function HF set on the model's layers (None without checkpointing)."""
+    """``use_reentrant`` of the checkpoint functions set on the model's layers (HF's convention).
+
+    None without checkpointing; a list of the values found when the layers disagree.
+    """
+    found = []
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
         if function is not None:
-            return getattr(function, "keywords", {}).get("use_reentrant")
-    return None
+            value = getattr(function, "keywords", {}).get("use_reentrant")
+            if value not in found:
+                found.append(value)
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else found
 
 
 def _synchronize():
@@ -56,6 +64,7 @@ class LifecycleProbe(TrainerCallback):
             "engine_uses_fork": None,
             "use_reentrant": None,
             "losses": [],
+            "logs": [],
             "steps": [],
             "lifecycle_stats": None,
             "error": None,
@@ -94,6 +103,8 @@ class LifecycleProbe(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.summary["losses"].append(float(logs["loss"]))
+            self.summary["logs"].append({key: float(value) for key, value in logs.items()
+                                         if isinstance(value, (int, float))})
 
     def on_train_end(self, args, state, control, **kwargs):
         import zero3_ac
@@ -110,6 +121,20 @@ class LifecycleProbe(TrainerCallback):
         with open(path, "w") as out:
             json.dump(self.summary, out, indent=1, default=str)
         return path
+
+
+def train_with_probe(trainer, summary_dir=None):
+    """``trainer.train()`` with a :class:`LifecycleProbe`; the summary is written even when training fails."""
+    probe = LifecycleProbe(trainer, summary_dir)
+    trainer.add_callback(probe)
+    try:
+        trainer.train()
+    except Exception as error:
+        probe.record_error(error)
+        raise
+    finally:
+        probe.write()
+    return probe
 
 
 def _version(name):

@@ -15,7 +15,8 @@ Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.
 import tempfile
 
 from hf_trainer_lora import RepeatingSequences, argument_parser, build_model, check_world_size
-from lifecycle_probe import LifecycleProbe
+from clean_exit import process_groups_destroyed_at_exit
+from lifecycle_probe import train_with_probe
 
 
 def keep_non_reentrant_checkpointing(trainer):
@@ -26,11 +27,15 @@ def keep_non_reentrant_checkpointing(trainer):
 
 
 def build_tokenizer(vocab_size):
-    """A word-level tokenizer over ``t0 .. t<vocab_size-1>``: SFTTrainer wants one, and none is downloaded."""
-    from tokenizers import Tokenizer, models
+    """A word-level tokenizer over ``t0 .. t<vocab_size-1>``: TRL's trainers want one, and none is downloaded.
+
+    Words are split on whitespace, so ``"t3 t4 t1"`` is ``[3, 4, 1]`` and decodes back to that text.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0", eos_token="t1")
 
 
@@ -69,18 +74,11 @@ def main(argv=None):
     dataset = Dataset.from_dict({"input_ids": [samples[i]["input_ids"].tolist() for i in range(len(samples))]})
     trainer = SFTTrainer(model=build_model(args), args=config, train_dataset=dataset,
                          processing_class=build_tokenizer(args.vocab_size))
-    if not args.trl_default:
+    if not (args.trl_default or args.use_reentrant):
         keep_non_reentrant_checkpointing(trainer)
-    probe = LifecycleProbe(trainer, args.summary)
-    trainer.add_callback(probe)
-    try:
-        trainer.train()
-    except Exception as error:
-        probe.record_error(error)
-        raise
-    finally:
-        probe.write()
+    train_with_probe(trainer, args.summary)
 
 
 if __name__ == "__main__":
-    main()
+    with process_groups_destroyed_at_exit():
+        main()

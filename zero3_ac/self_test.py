@@ -105,6 +105,27 @@ def _train(rank, report):
     engine.destroy()
 
 
+def _destroy_process_group():
+    """Note: [Process groups at interpreter exit]
+
+    Neither DeepSpeed, the HF Trainer nor TRL destroys the process groups it uses (accelerate does in
+    ``Accelerator.end_training()``, which the Trainer does not call), so each rank of the examples
+    and of this self-test reached interpreter shutdown with its gloo groups still registered and
+    their C++ threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) running. That is the state in which a
+    rank that trained fine can abort at exit with ``terminate called without an active exception``
+    (SIGABRT): pytorch/pytorch#190489 reports it for gloo without ``destroy_process_group``, and
+    pytorch/pytorch#179291 (an atexit ``destroy_process_group``, abandoned) explains it by a gloo
+    thread that frees a tensor of a collective, and so needs the GIL, while the interpreter
+    finalizes. So every rank destroys its groups before it returns, and a rank's exit code counts,
+    not only its report. What this does not do: gloo's ``shutdown()`` is a no-op in torch 2.13, and
+    its threads stop only when the last reference to the group goes, which DeepSpeed keeps after
+    the destroy (``deepspeed.utils.groups._WORLD_GROUP`` among others).
+    """
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def run_rank(rank, port, queue):
     """One rank (a ``spawn``-ed process): configure the environment before DeepSpeed is imported, train, report."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_SIZE=str(WORLD_SIZE),
@@ -119,6 +140,8 @@ def run_rank(rank, port, queue):
         _train(rank, report)
     except Exception as error:
         report["error"] = traceback.format_exception_only(type(error), error)[-1].strip().splitlines()[0]
+    finally:
+        _destroy_process_group()
     queue.put(report)
 
 
@@ -138,13 +161,16 @@ def failures(report) -> list:
         problems.append(f"frozen params gathered again during backward {report['frozen_backward_regathers']} times")
     if report["drained_params"]:
         problems.append(f"{report['drained_params']} params released only by the end-of-backward safety net")
+    if report.get("exit_code"):
+        problems.append(f"the rank process exited with code {report['exit_code']} after its report")
     return problems
 
 
 def run(timeout=TIMEOUT_S) -> list:
     """Run the self-test on ``WORLD_SIZE`` spawned CPU ranks; return their reports (rank order).
 
-    A rank that died or did not report within ``timeout`` seconds gets a report with its error.
+    A rank that died or did not report within ``timeout`` seconds gets a report with its error; a
+    rank that reported and then did not exit 0 (an abort at interpreter exit) has it in ``exit_code``.
     """
     import torch.multiprocessing as mp
     context = mp.get_context("spawn")
@@ -168,6 +194,8 @@ def run(timeout=TIMEOUT_S) -> list:
         if rank not in reports:
             reason = f"timed out after {timeout}s" if timed_out else f"exited with code {process.exitcode}"
             reports[rank] = {"rank": rank, "stage": "train", "error": f"the rank process {reason} without a report"}
+        else:
+            reports[rank]["exit_code"] = process.exitcode
     remove_shm_buffers(port)
     return [reports[rank] for rank in range(WORLD_SIZE)]
 

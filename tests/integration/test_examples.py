@@ -53,7 +53,9 @@ def launch(launcher, example, summary_dir, *args, **env):
     port = _free_port()
     command = _launch_command(launcher, os.path.join(EXAMPLES, example), port)
     command += ["--ddp-backend", "gloo", "--steps", str(STEPS), "--summary", str(summary_dir), *args]
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(WORLD_SIZE), **env}
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(WORLD_SIZE),
+                # nothing downloaded, nothing sent: TRL's trainers otherwise start a telemetry thread on rank 0
+                "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env}
     if launcher == "deepspeed":  # on CPU the Trainer takes the DeepSpeed config from accelerate's environment
         full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=DS_CONFIG)
     try:
@@ -78,8 +80,14 @@ def _output(result):
     return f"exit {result.returncode}\n--- stdout (tail)\n{result.stdout[-4000:]}\n--- stderr (tail)\n{result.stderr[-6000:]}"
 
 
-def assert_trained_with_the_fork(result, summaries):
+def assert_exited_cleanly(result):
+    """The launcher exits 0 only when every rank did; an abort at exit also leaves libstdc++'s line."""
     assert result.returncode == 0, _output(result)
+    assert "terminate called" not in result.stderr, _output(result)
+
+
+def assert_trained_with_the_fork(result, summaries, loss_decreases=True):
+    assert_exited_cleanly(result)
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     for rank, summary in summaries.items():
         context = f"rank {rank}: {summary}"
@@ -88,7 +96,7 @@ def assert_trained_with_the_fork(result, summaries):
         assert summary["use_reentrant"] is False, context
         losses = summary["losses"]
         assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses), context
-        assert losses[-1] < losses[0], context
+        assert losses[-1] < losses[0] or not loss_decreases, context
         assert [step["params_gathered_after_step"] for step in summary["steps"]] == [0] * STEPS, context
         assert [step["frozen_backward_regathers"] for step in summary["steps"]] == [0] * STEPS, context
         assert all(step["gathered_bytes"]["recompute"] > 0 for step in summary["steps"]), context
@@ -122,7 +130,7 @@ def test_the_same_script_on_stock_deepspeed_crashes_or_gathers_frozen_params_aga
         for summary in summaries.values():
             assert summary["error"].startswith("torch.utils.checkpoint.CheckpointError"), summary
     else:
-        assert result.returncode == 0, _output(result)
+        assert_exited_cleanly(result)
         assert not any(summary["engine_uses_fork"] for summary in summaries.values())
 
 

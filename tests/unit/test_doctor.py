@@ -20,7 +20,8 @@ def _doctor(**env):
 
 def _passing_report(**changes):
     report = {"rank": 0, "stage": "train", "error": None, "fork_active": True, "engine_uses_fork": True,
-              "losses": [0.5, 0.4], "params_left_gathered": 0, "frozen_backward_regathers": 0, "drained_params": 0}
+              "losses": [0.5, 0.4], "params_left_gathered": 0, "frozen_backward_regathers": 0, "drained_params": 0,
+              "exit_code": 0}
     return {**report, **changes}
 
 
@@ -68,6 +69,7 @@ def test_a_passing_report_has_no_failures():
     ({"params_left_gathered": 3}, "3 params left gathered"),
     ({"frozen_backward_regathers": 4}, "gathered again during backward 4 times"),
     ({"drained_params": 2}, "safety net"),
+    ({"exit_code": -6}, "exited with code -6 after its report"),
 ])
 def test_each_problem_fails_the_report_and_is_named(changes, expected):
     problems = self_test.failures(_passing_report(**changes))
