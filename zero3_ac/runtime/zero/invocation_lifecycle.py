@@ -78,6 +78,7 @@ class Invocation:
     matched: bool = False
     stack_depth: int = -1
     context: object = None  # the driver's own data for this invocation; opaque here
+    fetched_params: object = None  # the driver's list of the params it fetched for this invocation; opaque here
 
     def __repr__(self):
         return f"Invocation({self.id}, {self.module!r}, {self.phase.value}, {self.state.value})"

@@ -194,7 +194,7 @@ class ModuleInvocationHooks:
         self._slots_awaiting_grad = {}
         self._unreachable_slots = []
         self._hooks_to_remove = []
-        self._grad_hooked = set()
+        self._grad_hooks = {}  # trainable param -> its post-accumulate-grad hook handle
         self._trainable_by_module = {}
         self.on_aborted_backward = None
 
@@ -215,6 +215,13 @@ class ModuleInvocationHooks:
             coordinator = self.offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
+        # Note: [Hooks removed from outside]
+        #     TRL's ``unwrap_model_for_generation`` removes every handle in the offload's
+        #     ``forward_hooks`` and ``backward_hooks`` around ``generate`` and registers the module
+        #     hooks again afterwards; a param's grad hook must then be registered again too, or the
+        #     slots that wait for its gradient never close.
+        registered = {id(handle) for handle in self.offload.backward_hooks}
+        self._grad_hooks = {param: handle for param, handle in self._grad_hooks.items() if id(handle) in registered}
         ids = itertools.count()
         stack = [root]
         while stack:
@@ -232,9 +239,9 @@ class ModuleInvocationHooks:
         offload.forward_hooks.append(module.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
         offload.forward_hooks.append(module.register_forward_hook(self.post_forward))
         for param in module.parameters(recurse=False):
-            if param.requires_grad and param not in self._grad_hooked:
-                self._grad_hooked.add(param)
-                offload.backward_hooks.append(param.register_post_accumulate_grad_hook(self._on_param_grad))
+            if param.requires_grad and param not in self._grad_hooks:
+                handle = self._grad_hooks[param] = param.register_post_accumulate_grad_hook(self._on_param_grad)
+                offload.backward_hooks.append(handle)
 
     # ------------------------------------------------------------------ forward hooks
     def pre_forward(self, module, args, kwargs):
@@ -270,6 +277,7 @@ class ModuleInvocationHooks:
         if invocation is None:
             return None
         del upstream.FWD_MODULE_STACK[invocation.stack_depth:]
+        self.params.hold_new_external_params(module, invocation)
         self._register_external_outputs(module, output)
         slot = None
         if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
