@@ -56,6 +56,9 @@ def _patches():
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
           for name in ("partition_grads", "independent_gradient_partition_epilogue", "zero_grad")),
     ]
+    if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
+        patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
+                                 stage3_gradients.finalize_gradient_accumulation_boundary))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches
