@@ -186,3 +186,45 @@ def late_module_case():
 def test_module_attached_after_initialize_runs_as_plain_torch():
     """A module attached to the model after ``deepspeed.initialize`` is not a ZeRO module."""
     run_distributed(WORLD_SIZE, late_module_case)
+
+
+class AttributeDelegatingWrapper(torch.nn.Module):
+    """Looks up attributes it lacks on the module it wraps (as some PEFT and FSDP wrappers do)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.wrapped = module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("wrapped"), name)
+
+    def forward(self, x):
+        return self.wrapped(x)
+
+
+class DelegatingModel(torch.nn.Module):
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.input = torch.nn.Linear(dim, dim)
+        self.output = AttributeDelegatingWrapper(torch.nn.Linear(dim, dim))
+
+    def forward(self, x):
+        return self.output(torch.tanh(self.input(x))).pow(2).mean()
+
+
+def delegating_wrapper_case():
+    torch.manual_seed(47)
+    engine = train_plainly(DelegatingModel(), zero_config(3))
+    assert_partitioned(engine, "after training")
+    assert_nothing_drained(engine, "after training")
+    engine.destroy()
+
+
+def test_attribute_delegating_wrapper_trains_like_pytorch():
+    """Upstream's counterpart asserts its per-module ``pre_bwd_fn``; the fork's hook state is keyed by
+    the module object, so a wrapper never reads the wrapped module's (docs/porting.md)."""
+    run_distributed(WORLD_SIZE, delegating_wrapper_case)
