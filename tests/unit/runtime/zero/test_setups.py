@@ -185,6 +185,9 @@ def late_module_case():
 
 def test_module_attached_after_initialize_runs_as_plain_torch():
     """A module attached to the model after ``deepspeed.initialize`` is not a ZeRO module."""
+    from deepspeed.runtime.zero import parameter_offload
+    if not hasattr(parameter_offload, "ensure_zero_ordered_dict"):
+        pytest.skip("this DeepSpeed's own forward prologue fails on a module attached after initialize")
     run_distributed(WORLD_SIZE, late_module_case)
 
 
