@@ -26,13 +26,13 @@ this script) and this checkout's ``zero3_ac`` first on ``PYTHONPATH``; environme
 ``DS_ACCELERATOR=cpu LOCAL_SIZE=2 OMP_NUM_THREADS=1``, ``-p no:cacheprovider``, worker timeout
 ``DS_UNITTEST_TIMEOUT`` (default 300 s) and ``--file-timeout`` per process. JUnit XML goes to
 ``DIR/<mode>/<test>.xml``; ``--resume`` keeps the files already there, so a long run can be done in
-chunks. ``TORCH_EXTENSIONS_DIR`` defaults to ``.cache/torch_extensions/upstream-<venv name>``: venvs
+chunks, and ``--report`` only makes the table of what is there. ``TORCH_EXTENSIONS_DIR`` defaults to ``.cache/torch_extensions/upstream-<venv name>``: venvs
 at different paths must not share built ops.
 
 The script prints the per-file table (passed / failed / skipped, stock vs fork) and the tests that
 pass on stock and fail on the fork; with ``--doc`` it replaces the table between the
 ``upstream-tests`` markers of that file. Exit status 1 if any test passes on stock and fails on the
-fork.
+fork, except the ones in ``DOCUMENTED`` (a changed expectation, written where it names).
 """
 
 import argparse
@@ -63,6 +63,10 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
 """
+# Tests that pass on stock and fail on the fork by design, with where the changed expectation is written.
+DOCUMENTED = {
+    "unit.runtime.zero.test_zero_hook_attribute_delegation.TestHookAttributeDelegation::test": "docs/porting.md",
+}
 BEGIN, END = "<!-- upstream-tests:begin -->", "<!-- upstream-tests:end -->"
 
 
@@ -71,7 +75,9 @@ def extract(source, rev, dest):
     if os.path.isdir(os.path.join(source, "tests", "unit")):
         shutil.copytree(os.path.join(source, "tests"), os.path.join(dest, "tests"), symlinks=True)
     else:
-        archive = subprocess.Popen(["git", "--git-dir", source, "archive", rev, "tests"], stdout=subprocess.PIPE)
+        # stderr: a mirror may lack blobs outside tests/ that git archive reports; the check below counts.
+        archive = subprocess.Popen(["git", "--git-dir", source, "archive", rev, "tests"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL)
         subprocess.run(["tar", "-x", "-C", dest], stdin=archive.stdout, check=True)
         archive.wait()
         listed = subprocess.run(["git", "--git-dir", source, "ls-tree", "-r", "--name-only", rev, "tests/unit"],
@@ -166,6 +172,7 @@ def table(selection, out_dir, modes):
     """Rows per file (node ids of one file are summed), and the node ids that pass on stock and fail on the fork."""
     files = list(dict.fromkeys(test.split("::")[0] for test in selection))
     counts = {mode: {name: None for name in files} for mode in modes}
+    ran = {mode: collections.Counter() for mode in modes}
     per_test = {mode: {} for mode in modes}
     for mode in modes:
         for test in selection:
@@ -174,7 +181,9 @@ def table(selection, out_dir, modes):
                 continue
             per_test[mode].update(results)
             name = test.split("::")[0]
+            ran[mode][name] += 1
             counts[mode][name] = (counts[mode][name] or collections.Counter()) + collections.Counter(results.values())
+    asked = collections.Counter(test.split("::")[0] for test in selection)
     header = "| file | " + " | ".join(f"{mode} pass / fail / skip" for mode in modes) + " |"
     lines = [header, "|---|" + "---|" * len(modes)]
     totals = {mode: collections.Counter() for mode in modes}
@@ -186,7 +195,8 @@ def table(selection, out_dir, modes):
                 cells.append("not run")
                 continue
             totals[mode].update(counter)
-            cells.append(f"{counter['passed']} / {counter['failed']} / {counter['skipped']}")
+            partial = f" ({ran[mode][name]} of {asked[name]} node ids)" if ran[mode][name] < asked[name] else ""
+            cells.append(f"{counter['passed']} / {counter['failed']} / {counter['skipped']}{partial}")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     lines.append("| **total** | " + " | ".join(
         f"**{totals[m]['passed']} / {totals[m]['failed']} / {totals[m]['skipped']}**" for m in modes) + " |")
@@ -222,6 +232,7 @@ def main():
     parser.add_argument("--file-timeout", type=int, default=3600, help="seconds per file and mode")
     parser.add_argument("--doc", help="markdown file whose upstream-tests table to replace")
     parser.add_argument("--list", action="store_true", help="print the selection and exit")
+    parser.add_argument("--report", action="store_true", help="run nothing: the table of the JUnit files in --out-dir")
     parser.add_argument("--all-stages", action="store_true",
                         help="also run the ZeRO 0-2 cases of tests parametrized over the stage")
     args = parser.parse_args(argv)
@@ -240,7 +251,7 @@ def main():
             return 0
         for mode in args.modes:
             os.makedirs(os.path.join(args.out_dir, mode), exist_ok=True)
-        for test in selection:
+        for test in [] if args.report else selection:
             for mode in args.modes:
                 junit = junit_path(args.out_dir, mode, test)
                 if args.resume and os.path.isfile(junit):
@@ -249,10 +260,14 @@ def main():
                 run(tests, args.venv, mode, test, junit, pytest_args, args.file_timeout, not args.all_stages)
     body, regressions = table(selection, args.out_dir, args.modes)
     print(body)
-    print("\npass on stock, fail on the fork:" + ("".join(f"\n  {node}" for node in regressions) or " none"))
+    unexpected = [node for node in regressions if node not in DOCUMENTED]
+    print("\npass on stock, fail on the fork:" + ("".join(f"\n  {node}" for node in unexpected) or " none"))
+    for node in regressions:
+        if node in DOCUMENTED:
+            print(f"  (by design, see {DOCUMENTED[node]}: {node})")
     if args.doc:
         write_doc(args.doc, body)
-    return 1 if regressions else 0
+    return 1 if unexpected else 0
 
 
 if __name__ == "__main__":
