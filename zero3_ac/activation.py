@@ -52,10 +52,14 @@ def _patches():
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
+        _wrapping(DeepSpeedEngine, "_configure_zero_optimizer", fork_engine.configure_zero_optimizer),
         (LinearFunctionForZeroStage3, "forward", fork_linear.replacement_forward(LinearFunctionForZeroStage3)),
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
           for name in ("partition_grads", "independent_gradient_partition_epilogue", "zero_grad")),
     ]
+    if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
+        patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
+                                 stage3_gradients.finalize_gradient_accumulation_boundary))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches

@@ -26,3 +26,22 @@ def compile(engine, stock, *args, **kwargs):
             "compile.deepcompile=false in the DeepSpeed config to keep the fork (plain engine.compile() works), "
             "or set ZERO3_AC_DISABLE=1 to run DeepCompile on stock ZeRO-3.")
     return stock(engine, *args, **kwargs)
+
+
+def configure_zero_optimizer(engine, stock, *args, **kwargs):
+    """Wraps ``DeepSpeedEngine._configure_zero_optimizer``: ZenFlow on ZeRO-3 is refused.
+
+    Note: [ZenFlow keeps params transposed between its hooks]
+        With ZenFlow, upstream's ``pre_sub_module_forward_function`` and
+        ``pre_sub_module_backward_function`` transpose each fetched param's data, and the
+        ``post_sub_module_*`` functions transpose it back before the release. The lifecycle
+        gathers through the ``pre_`` functions but releases params itself, at other times than a
+        module's end, and never calls the ``post_`` ones: params would be released transposed.
+    """
+    if getattr(engine, "zenflow", False) and engine.zero_optimization_partition_weights():
+        raise UnsupportedSetup(
+            "zero3_ac: ZenFlow (zero_optimization.zenflow) with ZeRO stage 3 transposes params between ZeRO-3's "
+            "module hooks, which the per-invocation lifecycle replaces, so the two cannot be combined. Either "
+            "remove zero_optimization.zenflow from the DeepSpeed config to keep the fork, or set "
+            "ZERO3_AC_DISABLE=1 to run ZenFlow on stock ZeRO-3.")
+    return stock(engine, *args, **kwargs)

@@ -13,6 +13,7 @@ stock DeepSpeed too: the fork's accounting, the gather meter and the timeline re
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils import z3_leaf_module
 
 from zero3_ac.runtime.zero.accounting import LifecycleAccounting
@@ -223,14 +224,16 @@ class InvocationParams:
     def drain(self, root_module, reachable=lambda slot: False) -> None:
         """Release everything still held, then anything else left gathered (the safety net).
 
-        Pending slots that are still ``reachable`` are kept, without holds.
+        Pending slots that are still ``reachable`` are kept, without holds. A module attached after
+        ``deepspeed.initialize`` has plain torch params: stock registers no hooks on it and its
+        forward uses them as they are, so the sweep passes over them too.
         """
         report = self.lifecycle.drain(reachable)
         self.release(report.params)
         self.coordinator._clean_inflight_param_registry()
         swept = 0
         for param in iter_params(root_module, recurse=True):
-            if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
+            if (is_zero_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
                 self._release_through_coordinator(param)
                 swept += 1

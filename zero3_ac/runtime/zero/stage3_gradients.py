@@ -26,7 +26,10 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     ``safe_get_full_grad`` never see a stale value; ``zero_grad`` (which the engine calls after
     every step) starts a new window. With the optimizer offloaded, upstream also copies a partition
     to the offloaded optimizer's gradient only when it is reduced in the boundary micro-batch; the
-    fork runs the others through that copy at the end of the boundary backward.
+    fork runs the others through that copy at the end of the boundary backward. With unmanaged
+    accumulation (``managed_gradient_accumulation: false``, 0.19.8+) the boundary is ``step()``:
+    upstream copies only the params reduced in the window, and the fork gives the others the same
+    zero gradient there, so managed and unmanaged accumulation take the same step.
 """
 
 import contextlib
@@ -116,6 +119,14 @@ def _offload_unreduced(optimizer, reduced) -> None:
         zeros = [torch.zeros(param.partition_numel(), dtype=partitions[param.ds_id].dtype, device=device)
                  for param in missing]
         optimizer.partition_grads(missing, zeros)
+
+
+def finalize_gradient_accumulation_boundary(optimizer, stock):
+    """Wraps the unmanaged boundary (``step()``): params idle in the window get a zero gradient in
+    the offloaded optimizer too, as at the managed boundary."""
+    stock(optimizer)
+    if optimizer.offload_optimizer:
+        _offload_unreduced(optimizer, set(optimizer._offload_boundary_param_ids))
 
 
 def zero_grad(optimizer, stock, *args, **kwargs):

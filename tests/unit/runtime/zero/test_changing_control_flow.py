@@ -41,7 +41,7 @@ class RoutedModel(torch.nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def changing_control_flow_case(stage, gas, offload=False):
+def changing_control_flow_case(stage, gas, offload=False, managed=True):
     import deepspeed.comm as dist
     assert_fork_state()
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -51,13 +51,16 @@ def changing_control_flow_case(stage, gas, offload=False):
     expected = reference_deltas(model, batches, gas, forward=lambda model, x, index: model(x, route(index, gas)))
     config = zero_config(stage, gas=gas, **({"offload_optimizer": {"device": "cpu"}} if offload else {}))
     config["zero_force_ds_cpu_optimizer"] = False  # torch SGD on the offloaded partitions
+    if not managed:
+        config["managed_gradient_accumulation"] = False  # 0.19.8+: step() is the boundary
     engine = make_engine(model, config)
     initial = named_values(engine)
     for index, row in enumerate(batches):
         loss = engine(row[rank], route(index, gas))
         loss.backward()
         assert_partitioned(engine, f"after backward {index}")
-        engine.step()
+        if managed or (index + 1) % gas == 0:
+            engine.step()
         assert_partitioned(engine, f"after step {index}")
     final = named_values(engine)
     assert_close_deltas({name: final[name] - initial[name] for name in expected}, expected, torch.float32,
@@ -76,6 +79,16 @@ def test_params_unused_in_some_micro_batches_train_like_pytorch(stage, gas, worl
 def test_params_unused_in_some_micro_batches_with_the_optimizer_offloaded(gas):
     """ZeRO-3 copies gradient partitions to the offloaded optimizer at the boundary micro-batch."""
     run_distributed(2, changing_control_flow_case, 3, gas, offload=True)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_params_unused_in_some_micro_batches_with_unmanaged_accumulation(offload):
+    """``managed_gradient_accumulation: false``: N backwards, then one ``step()`` that is the boundary.
+    Offloaded, upstream copies at that boundary only the partitions reduced in the window."""
+    import deepspeed.runtime.constants as constants
+    if not hasattr(constants, "MANAGED_GRADIENT_ACCUMULATION"):
+        pytest.skip("this DeepSpeed has no unmanaged gradient accumulation")
+    run_distributed(2, changing_control_flow_case, 3, 3, offload=offload, managed=False)
 
 
 class SharedByTwoReentrantCheckpoints(torch.nn.Module):

@@ -3,14 +3,16 @@
 Applying the fork twice and unsupported DeepSpeed versions are covered in ``test_activation``.
 """
 
+import copy
+
 import pytest
 import torch
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
-from tests.unit.runtime.zero.zero_case import (CheckpointedStack, assert_close_deltas, assert_fork_state,
-                                               make_engine, micro_batches, named_values, reference_deltas,
-                                               zero_config)
+from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, assert_close_deltas, assert_fork_state,
+                                               assert_nothing_drained, assert_partitioned, make_engine,
+                                               micro_batches, named_values, reference_deltas, zero_config)
 
 WORLD_SIZE = 2
 
@@ -123,3 +125,109 @@ def deepcompile_case():
 def test_deepcompile_is_refused_with_the_two_ways_out():
     """DeepCompile removes the module hooks the lifecycle runs on; silently losing it is refused."""
     run_distributed(WORLD_SIZE, deepcompile_case)
+
+
+def zenflow_case():
+    import zero3_ac
+    from zero3_ac.runtime.engine import UnsupportedSetup
+    torch.manual_seed(45)
+    config = zero_config(3, offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.1})
+    config["zero_force_ds_cpu_optimizer"] = False
+    if zero3_ac.is_active():
+        with pytest.raises(UnsupportedSetup, match="ZERO3_AC_DISABLE=1"):
+            make_engine(CheckpointedStack(blocks=2), config)
+
+
+def test_zenflow_on_zero_3_is_refused_with_the_two_ways_out():
+    """ZenFlow transposes params between the module hooks that the lifecycle replaces."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    if "zenflow" not in DeepSpeedZeroConfig.model_fields:
+        pytest.skip("this DeepSpeed has no ZenFlow")
+    run_distributed(WORLD_SIZE, zenflow_case)
+
+
+class OptionalTail(torch.nn.Module):
+    """A trunk and a head, and between them ``late`` once someone attaches it."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.trunk = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, dim, bias=False)
+        self.late = None
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        if self.late is not None:
+            h = h + self.late(h)
+        return self.head(h).pow(2).mean()
+
+
+def late_module_case():
+    import deepspeed.comm as dist
+    assert_fork_state()
+    rank = dist.get_rank()
+    torch.manual_seed(46)
+    model = OptionalTail()
+    reference = copy.deepcopy(model)
+    engine = make_engine(model, zero_config(3))
+    # Stock registers no hooks on a module attached now: its forward runs on its plain torch params.
+    # (Stock's step() then fails on them, in ``release_and_reset_all``; the forward and backward work.)
+    engine.module.late = torch.nn.Linear(DIM, DIM)
+    reference.late = copy.deepcopy(engine.module.late)
+    for index, row in enumerate(micro_batches(2, dist.get_world_size())):
+        loss = engine(row[rank])
+        assert torch.allclose(loss, reference(row[rank]), rtol=1e-5, atol=1e-7), f"forward {index}"
+        engine.backward(loss)
+        assert_partitioned(engine, f"after backward {index}")
+        assert_nothing_drained(engine, f"after backward {index}")
+        assert engine.module.late.weight.grad is not None
+
+
+def test_module_attached_after_initialize_runs_as_plain_torch():
+    """A module attached to the model after ``deepspeed.initialize`` is not a ZeRO module."""
+    from deepspeed.runtime.zero import parameter_offload
+    if not hasattr(parameter_offload, "ensure_zero_ordered_dict"):
+        pytest.skip("this DeepSpeed's own forward prologue fails on a module attached after initialize")
+    run_distributed(WORLD_SIZE, late_module_case)
+
+
+class AttributeDelegatingWrapper(torch.nn.Module):
+    """Looks up attributes it lacks on the module it wraps (as some PEFT and FSDP wrappers do)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.wrapped = module
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("wrapped"), name)
+
+    def forward(self, x):
+        return self.wrapped(x)
+
+
+class DelegatingModel(torch.nn.Module):
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.input = torch.nn.Linear(dim, dim)
+        self.output = AttributeDelegatingWrapper(torch.nn.Linear(dim, dim))
+
+    def forward(self, x):
+        return self.output(torch.tanh(self.input(x))).pow(2).mean()
+
+
+def delegating_wrapper_case():
+    torch.manual_seed(47)
+    engine = train_plainly(DelegatingModel(), zero_config(3))
+    assert_partitioned(engine, "after training")
+    assert_nothing_drained(engine, "after training")
+    engine.destroy()
+
+
+def test_attribute_delegating_wrapper_trains_like_pytorch():
+    """Upstream's counterpart asserts its per-module ``pre_bwd_fn``; the fork's hook state is keyed by
+    the module object, so a wrapper never reads the wrapped module's (docs/porting.md)."""
+    run_distributed(WORLD_SIZE, delegating_wrapper_case)

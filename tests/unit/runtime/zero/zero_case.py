@@ -137,7 +137,7 @@ def assert_partitioned(engine, when):
         return
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     for name, param in engine.module.named_parameters():
-        if param.ds_persist:
+        if not hasattr(param, "ds_id") or param.ds_persist:  # a module attached after initialize: plain params
             continue
         assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE, (
             f"{when}: {name} is still gathered ({param.ds_status}, held by {param.ds_active_sub_modules})")
