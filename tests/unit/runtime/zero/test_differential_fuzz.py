@@ -1,0 +1,67 @@
+"""Differential fuzzing of the fork against plain PyTorch and stock DeepSpeed (ZeRO-3, gloo, 1 and 2 ranks).
+
+Hypothesis draws small models and schedules from ``fuzz/grammar.py`` (what it covers:
+docs/fuzzing.md); each example runs plain PyTorch, stock DeepSpeed and the fork on the rank pool
+and must pass ``fuzz/oracle.py``'s verdict. CI runs a fixed-seed budget (``CI_EXAMPLES``);
+``--runslow`` runs ``SLOW_EXAMPLES``. A failure shrinks to a minimal example, printed as a spec
+that a test in ``test_fuzz_regressions.py`` can hold.
+"""
+
+import pytest
+from hypothesis import HealthCheck, Phase, event, given, settings
+
+from tests.unit.common import run_distributed
+from tests.unit.runtime.zero.fuzz import grammar, oracle
+from tests.unit.runtime.zero.fuzz.known import KNOWN_FAILURES, known_failure
+from tests.unit.runtime.zero.zero_case import fork_disabled
+
+CI_EXAMPLES = {1: 50, 2: 100}
+SLOW_EXAMPLES = {1: 1000, 2: 2000}
+KNOWN_FAILURE_EXAMPLES = 30
+EXAMPLE_TIMEOUT_S = 120
+SETTINGS = dict(derandomize=True,
+                database=None,
+                deadline=None,
+                print_blob=False,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+
+pytestmark = pytest.mark.skipif(fork_disabled(), reason="compares the fork with stock; --stock has no fork")
+
+
+def check_example(example):
+    """Run ``example`` on its world size and fail with the verdict unless the fork ran clean."""
+    per_rank = run_distributed(example.world_size, oracle.run_example, example, timeout=EXAMPLE_TIMEOUT_S)
+    found = oracle.verdict(example, per_rank)
+    event(found.outcome)
+    assert not found.failed, f"{example!r}\n  {found.describe()}"
+    return found
+
+
+def fuzz(examples, max_examples, phases=tuple(Phase)):
+
+    @settings(max_examples=max_examples, phases=phases, **SETTINGS)
+    @given(example=examples)
+    def run(example):
+        check_example(example)
+
+    run()
+
+
+@pytest.fixture
+def budget(request):
+    return SLOW_EXAMPLES if request.config.getoption("--runslow") else CI_EXAMPLES
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fork_trains_like_pytorch_wherever_stock_does(world_size, budget):
+    """The grammar less the known failure classes (``fuzz/known.py``)."""
+    fuzz(grammar.examples(world_size).filter(lambda example: known_failure(example) is None), budget[world_size])
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"known failure, not fixed yet: {name}"))
+    for name in sorted(KNOWN_FAILURES)
+])
+def test_fuzzer_finds_the_known_failure(name):
+    """Examples of one known class (2 ranks, no shrinking) fail; once fixed, this XPASSes: drop the class."""
+    fuzz(grammar.examples(2).filter(KNOWN_FAILURES[name]), KNOWN_FAILURE_EXAMPLES, phases=(Phase.generate, ))
