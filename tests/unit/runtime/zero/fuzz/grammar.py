@@ -87,7 +87,9 @@ def schedules(draw):
 
 @st.composite
 def engines(draw, dim):
-    return EngineSpec(persistence=draw(st.sampled_from((0, dim, 10**6))), strict=draw(st.booleans()))
+    return EngineSpec(persistence=draw(st.sampled_from((0, dim, 10**6))),
+                      strict=draw(st.booleans()),
+                      one_param_buckets=draw(st.booleans()))
 
 
 @st.composite

@@ -34,8 +34,15 @@ def reentrant_checkpoint_inside_non_reentrant(example: Example) -> bool:
 
 
 def nested_non_reentrant_under_strict_budget(example: Example) -> bool:
-    return example.engine.strict and any(block.inner == "nonreentrant" and outer
+    """A body with a submodule (a Linear body passes) inside nested non-reentrant checkpoints."""
+    return example.engine.strict and any(block.inner == "nonreentrant" and outer and block.body in ("recursive", "pair")
                                           for block, outer in _blocks_with_context(example))
+
+
+def self_attention_without_backward(example: Example) -> bool:
+    """An MHA body whose output may need no grad (frozen, or its input needs none)."""
+    return any(block.body == "mha" and (block.params != "trainable" or not example.schedule.input_grad)
+               for block, _ in _blocks_with_context(example))
 
 
 KNOWN_FAILURES = {
@@ -44,6 +51,7 @@ KNOWN_FAILURES = {
     self_attention_under_non_reentrant_checkpoint,
     "a reentrant checkpoint inside a non-reentrant one": reentrant_checkpoint_inside_non_reentrant,
     "nested non-reentrant checkpoints under a strict live budget": nested_non_reentrant_under_strict_budget,
+    "the drain releases params of an nn.MultiheadAttention that no backward reaches": self_attention_without_backward,
 }
 
 

@@ -117,6 +117,8 @@ def zero_config(example: Example):
     zero = {"stage": 3, "stage3_param_persistence_threshold": example.engine.persistence}
     if example.engine.strict:
         zero.update(STRICT)
+    if example.engine.one_param_buckets:
+        zero["reduce_bucket_size"] = 1
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": example.schedule.gas,

@@ -73,6 +73,9 @@ class ScheduleSpec:
 class EngineSpec:
     persistence: int = 0  # stage3_param_persistence_threshold
     strict: bool = False  # max live parameters, reuse distance and prefetch bucket all 0
+    # 1: every gradient is reduced on arrival, so a param may be reduced twice in one backward
+    # (with DeepSpeed's default bucket, stage 3 asserts that a bucket holds each param once).
+    one_param_buckets: bool = False
 
 
 @dataclass(frozen=True)
