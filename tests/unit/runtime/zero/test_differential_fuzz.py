@@ -12,12 +12,12 @@ import collections
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from tests.unit.common import run_distributed
+from tests.unit.common import run_distributed, shutdown_pools
 from tests.unit.runtime.zero.fuzz import grammar, oracle
 from tests.unit.runtime.zero.fuzz.known import KNOWN_FAILURES, known_failure
 from tests.unit.runtime.zero.zero_case import fork_disabled
 
-CI_EXAMPLES = {1: 75, 2: 150}
+CI_EXAMPLES = {1: 100, 2: 200}
 SLOW_EXAMPLES = {1: 1000, 2: 2000}
 KNOWN_FAILURE_EXAMPLES = 50
 EXAMPLE_TIMEOUT_S = 120
@@ -31,21 +31,39 @@ SETTINGS = dict(derandomize=True,
 pytestmark = pytest.mark.skipif(fork_disabled(), reason="compares the fork with stock; --stock has no fork")
 
 
-def check_example(example):
-    """Run ``example`` on its world size and fail with the verdict unless the fork ran clean."""
+def _verdict(example):
     per_rank = run_distributed(example.world_size, oracle.run_example, example, timeout=EXAMPLE_TIMEOUT_S)
-    found = oracle.verdict(example, per_rank)
-    assert not found.failed, f"{example!r}\n  {found.describe()}"
+    return oracle.verdict(example, per_rank)
+
+
+def check_example(example, fork_clean=False):
+    """Run ``example`` on its world size and fail with the verdict: unless the fork ran clean
+    where stock did (``oracle.Verdict.failed``), or with ``fork_clean`` unless the fork ran clean.
+
+    Note: [A failure is confirmed in fresh rank processes]
+    The runs of an example share their rank processes with the examples before it, and an engine
+    that raised may leave an asynchronous collective behind. A failing verdict is therefore run
+    again on a fresh pool, and that run decides (seen once on DeepSpeed 0.18.5: garbage in one
+    rank's update right after examples whose stock engine raised, clean in fresh processes).
+    With ``fork_clean`` (tests that expect the fork to fail) the first run decides.
+    """
+    failed = (lambda found: bool(found.fork) and found.reference_error is None) if fork_clean else (
+        lambda found: found.failed)
+    found = _verdict(example)
+    if failed(found) and not fork_clean:
+        shutdown_pools()
+        found = _verdict(example)
+    assert not failed(found), f"{example!r}\n  {found.describe()}"
     return found
 
 
-def fuzz(examples, max_examples, phases=tuple(Phase), outcomes=None):
+def fuzz(examples, max_examples, phases=tuple(Phase), outcomes=None, fork_clean=False):
     """Run hypothesis over ``examples``; counts the verdicts' outcomes into ``outcomes`` (a Counter)."""
 
     @settings(max_examples=max_examples, phases=phases, **SETTINGS)
     @given(example=examples)
     def run(example):
-        found = check_example(example)
+        found = check_example(example, fork_clean)
         if outcomes is not None:
             outcomes[found.outcome] += 1
 
@@ -75,5 +93,9 @@ def _pending(name):
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=_pending(name)) for name in sorted(KNOWN_FAILURES)])
 def test_fuzzer_finds_the_known_failure(name):
-    """Examples of one known class (2 ranks, no shrinking) fail; once fixed, this XPASSes: drop the class."""
-    fuzz(grammar.examples(2).filter(KNOWN_FAILURES[name]), KNOWN_FAILURE_EXAMPLES, phases=(Phase.generate, ))
+    """Examples of one known class (2 ranks, no shrinking) fail: the fork does not run clean, whatever
+    stock does (on DeepSpeed 0.18.5 stock fails on most of them). Once fixed, this XPASSes: drop the class."""
+    fuzz(grammar.examples(2).filter(KNOWN_FAILURES[name]),
+         KNOWN_FAILURE_EXAMPLES,
+         phases=(Phase.generate, ),
+         fork_clean=True)

@@ -1,14 +1,17 @@
 """Minimal examples the differential fuzzer found, kept as explicit regression tests (ZeRO-3, gloo).
 
 Each test runs one ``Example`` (``fuzz/spec.py``) under plain PyTorch, stock DeepSpeed and the
-fork, and passes when the fork runs clean (``fuzz/oracle.py``). The ones marked ``xfail`` are
+fork, and passes when the fork runs clean, whatever stock does (``fuzz/oracle.py``; on DeepSpeed
+0.18.5 stock fails most of them). The ones marked ``xfail`` are
 fork bugs not fixed yet (strict: the fix makes them XPASS, and the mark comes off with the fix);
 each also has a class in ``fuzz/known.py``. Found by the fuzzer: docs/fuzzing.md.
 """
 
 import dataclasses
+from importlib.metadata import version
 
 import pytest
+from packaging.version import Version
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.fuzz import oracle
@@ -61,12 +64,17 @@ FAILURES = {
 
 
 PENDING_MARK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=PENDING)
+# The fork runs this one clean on DeepSpeed 0.18.5.
+ON_019 = Version(version("deepspeed")) >= Version("0.19.3")
+PENDING_MARKS = {"nested_non_reentrant_checkpoints_strict_budget": pytest.mark.xfail(ON_019, strict=True,
+                                                                                      raises=AssertionError,
+                                                                                      reason=PENDING)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", [pytest.param(name, marks=PENDING_MARK) for name in FAILURES])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=PENDING_MARKS.get(name, PENDING_MARK)) for name in FAILURES])
 def test_fuzzer_found(name, world_size):
-    check_example(dataclasses.replace(FAILURES[name], world_size=world_size))
+    check_example(dataclasses.replace(FAILURES[name], world_size=world_size), fork_clean=True)
 
 
 # Fuzzer found: after a training step, a forward under no_grad leaves the params that ZeRO-3's

@@ -18,11 +18,12 @@ MAX_MICRO_BATCHES = 6
 
 
 def checkpoint_modes():
-    """DeepSpeed 0.19.2 and older: ``non_reentrant_checkpoint`` opens an accelerator stream, which the CPU one lacks."""
-    modes = ["none", "nonreentrant", "reentrant", "selective", "ds_reentrant"]
+    """DeepSpeed's own checkpoints from 0.19.3 on: before, on the CPU accelerator, ``non_reentrant_checkpoint``
+    opens an accelerator stream and ``checkpoint`` raises ``TypeError: 'NoneType' object is not callable``."""
+    modes = ("none", "nonreentrant", "reentrant", "selective")
     if Version(version("deepspeed")) >= Version("0.19.3"):
-        modes.append("ds_nonreentrant")
-    return tuple(modes)
+        modes += ("ds_reentrant", "ds_nonreentrant")
+    return modes
 
 
 PARAMS_FIRST = ("trainable", "mixed", "frozen")
