@@ -11,6 +11,7 @@ found. ``verdict`` compares them in the parent:
   never runs came before it in the same micro-batch (``LEFTOVER_EXTRAS``: that forward's params
   are released by the next backward event, which may be that drain);
 * stock's outcome is recorded beside it, so that a report tells "both fail" from "only the fork".
+  ``Verdict.failed``: the fork is not clean where stock is, or it ran to the end and was wrong.
 
 Note: [Stock and fork in one process]
 ``zero3_ac.remove()`` restores DeepSpeed's methods; engines created afterwards are stock, and
