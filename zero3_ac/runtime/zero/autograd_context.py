@@ -43,6 +43,11 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether any saved-tensors hooks are installed (a replay recompute always runs under one)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
 def is_replay_recompute() -> bool:
     """True inside a recompute whose saved tensors feed the original forward's graph."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)

@@ -248,6 +248,14 @@ class ModuleInvocationHooks:
         in_backward = autograd_context.in_backward()
         if in_backward:
             self._enter_backward()
+            if self.lifecycle.inside_replay() and not autograd_context.saved_tensors_hooks_active():
+                # Note: [A replay left on the stack]
+                #     A replay stopped early (checkpoint early stop) stays on the call stack until
+                #     the next backward event reaps it. A forward that runs inside a backward with
+                #     no saved-tensors hook at all cannot be part of that replay, which runs under
+                #     torch's recomputation hook: it is a reentrant checkpoint's recompute (inside a
+                #     non-reentrant region), and must not inherit the replay.
+                self._reap()
         elif module is self.offload.module:
             self.start_root_forward()
         if self._unreachable_slots:
@@ -290,6 +298,13 @@ class ModuleInvocationHooks:
             self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
             if invocation.phase is Phase.RECOMPUTE:
                 self.params.evict_over_budget()
+            elif module is self.offload.module and not torch.is_grad_enabled():
+                # Note: [The end of a forward without grad]
+                #     ZeRO-3 keeps params its trace says come back soon (the reuse distance). After
+                #     a root forward under no_grad (evaluation, a reference model's log-probs) no
+                #     backward of that forward comes: release what nothing holds now, instead of
+                #     leaving it to the next drain (stock leaves it to its next release-all).
+                self.params.release_unheld(module)
         return output
 
     def _open_slot_on_grad(self, slot, tensor, wrapped_by_id):

@@ -231,10 +231,16 @@ class InvocationParams:
         report = self.lifecycle.drain(reachable)
         self.release(report.params)
         self.coordinator._clean_inflight_param_registry()
-        swept = 0
+        swept = self.release_unheld(root_module)
+        self.accounting.record_drain(report.invocations, len(report.params), swept)
+
+    def release_unheld(self, root_module) -> int:
+        """Release every gathered param that nothing holds (persistent and external ones excepted);
+        returns how many."""
+        released = 0
         for param in iter_params(root_module, recurse=True):
             if (is_zero_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
                 self._release_through_coordinator(param)
-                swept += 1
-        self.accounting.record_drain(report.invocations, len(report.params), swept)
+                released += 1
+        return released

@@ -2,9 +2,9 @@
 
 Each test runs one ``Example`` (``fuzz/spec.py``) under plain PyTorch, stock DeepSpeed and the
 fork, and passes when the fork runs clean, whatever stock does (``fuzz/oracle.py``; on DeepSpeed
-0.18.5 stock fails most of them). The ones marked ``xfail`` are
-fork bugs not fixed yet (strict: the fix makes them XPASS, and the mark comes off with the fix);
-each also has a class in ``fuzz/known.py``. Found by the fuzzer: docs/fuzzing.md.
+0.18.5 stock fails most of them). ``FIXED`` ones failed on the fork when the fuzzer found them;
+``PENDING`` ones are fork bugs not fixed yet (strict xfail: the fix makes them XPASS, and the mark
+comes off with the fix), each also a class in ``fuzz/known.py``. Found by the fuzzer: docs/fuzzing.md.
 """
 
 import dataclasses
@@ -53,15 +53,21 @@ NESTED_NON_REENTRANT_STRICT = Example(
 DRAIN_AFTER_SELF_ATTENTION_WITHOUT_BACKWARD = Example(
     model=ModelSpec(stages=(BlockSpec(params="frozen", body="mha"), )), schedule=ScheduleSpec(input_grad=False))
 
-FAILURES = {
+FIXED = {
+    # A slot lives as long as its call's graph (invocation_lifecycle's [Several forwards before a backward]).
     "two_forwards_summed_before_one_backward": TWO_FORWARDS_SUMMED,
     "no_grad_forward_between_forward_and_backward": NO_GRAD_FORWARD_BEFORE_BACKWARD,
+    # One wrapper per distinct tensor (parameter_offload's [What a module's forward sees]).
     "self_attention_under_non_reentrant_checkpoint": SELF_ATTENTION_NON_REENTRANT,
-    "reentrant_checkpoint_inside_non_reentrant": REENTRANT_INSIDE_NON_REENTRANT,
-    "nested_non_reentrant_checkpoints_strict_budget": NESTED_NON_REENTRANT_STRICT,
+    # A param the getter gathers is held by the running call (coordinator's [Params the getter gathers]).
     "drain_after_self_attention_without_backward": DRAIN_AFTER_SELF_ATTENTION_WITHOUT_BACKWARD,
+    # A forward inside a backward with no saved-tensors hook is no part of a replay
+    # (parameter_offload's [A replay left on the stack]).
+    "reentrant_checkpoint_inside_non_reentrant": REENTRANT_INSIDE_NON_REENTRANT,
 }
-
+PENDING_FAILURES = {
+    "nested_non_reentrant_checkpoints_strict_budget": NESTED_NON_REENTRANT_STRICT,
+}
 
 PENDING_MARK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=PENDING)
 # The fork runs this one clean on DeepSpeed 0.18.5.
@@ -69,31 +75,31 @@ ON_019 = Version(version("deepspeed")) >= Version("0.19.3")
 PENDING_MARKS = {"nested_non_reentrant_checkpoints_strict_budget": pytest.mark.xfail(ON_019, strict=True,
                                                                                       raises=AssertionError,
                                                                                       reason=PENDING)}
+CASES = {**FIXED, **PENDING_FAILURES}
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-@pytest.mark.parametrize("name", [pytest.param(name, marks=PENDING_MARKS.get(name, PENDING_MARK)) for name in FAILURES])
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=PENDING_MARKS.get(name, PENDING_MARK) if name in PENDING_FAILURES else ())
+    for name in CASES
+])
 def test_fuzzer_found(name, world_size):
-    check_example(dataclasses.replace(FAILURES[name], world_size=world_size), fork_clean=True)
+    check_example(dataclasses.replace(CASES[name], world_size=world_size), fork_clean=True)
 
 
 # Fuzzer found: after a training step, a forward under no_grad leaves the params that ZeRO-3's
 # trace says come back soon gathered (default reuse distance), stock and fork alike, and the
-# fork's end-of-backward drain then releases them (6 params here), where its design says the
-# drain finds nothing. The fuzzer's verdict exempts a drain that follows such a forward
-# (Note: [Gathered after a forward under no_grad]); this test holds the finding.
+# fork's end-of-backward drain then released them (6 params here), where its design says the
+# drain finds nothing. The fork now releases them at the end of that forward
+# (parameter_offload's [The end of a forward without grad]).
 NO_GRAD_FORWARD_AFTER_A_STEP = Example(schedule=ScheduleSpec(extras=("none", "no_grad")))
 
 
 def drained_case(example):
     results = oracle.run_example(example)
-    return results["fork"].error, results["fork"].drained
+    return results["fork"].error, results["fork"].drained + results["fork"].swept
 
 
-@pytest.mark.xfail(strict=True,
-                   raises=AssertionError,
-                   reason="found by the differential fuzzer: the drain releases what a no_grad forward "
-                   "left in ZeRO-3's reuse window (not a crash; for the lead to decide)")
 def test_no_grad_forward_after_a_step_leaves_the_drain_nothing():
     for error, drained in run_distributed(2, drained_case, NO_GRAD_FORWARD_AFTER_A_STEP):
         assert error is None, error

@@ -20,38 +20,14 @@ def _blocks_with_context(example: Example):
             yield stage, stage.checkpoint in NON_REENTRANT
 
 
-def two_forwards_before_one_backward(example: Example) -> bool:
-    return any(extra in ("two_forwards", "no_grad_between") for extra in example.schedule.extras)
-
-
-def self_attention_under_non_reentrant_checkpoint(example: Example) -> bool:
-    return any(block.body == "mha" and (outer or block.inner == "nonreentrant")
-               for block, outer in _blocks_with_context(example))
-
-
-def reentrant_checkpoint_inside_non_reentrant(example: Example) -> bool:
-    return any(block.inner == "reentrant" and outer for block, outer in _blocks_with_context(example))
-
-
 def nested_non_reentrant_under_strict_budget(example: Example) -> bool:
     """A body with a submodule (a Linear body passes) inside nested non-reentrant checkpoints."""
     return example.engine.strict and any(block.inner == "nonreentrant" and outer and block.body in ("recursive", "pair")
                                           for block, outer in _blocks_with_context(example))
 
 
-def self_attention_without_backward(example: Example) -> bool:
-    """An MHA body whose output may need no grad (frozen, or its input needs none)."""
-    return any(block.body == "mha" and (block.params != "trainable" or not example.schedule.input_grad)
-               for block, _ in _blocks_with_context(example))
-
-
 KNOWN_FAILURES = {
-    "two forwards of one engine before one backward": two_forwards_before_one_backward,
-    "nn.MultiheadAttention self-attention (query is key is value) under a non-reentrant checkpoint":
-    self_attention_under_non_reentrant_checkpoint,
-    "a reentrant checkpoint inside a non-reentrant one": reentrant_checkpoint_inside_non_reentrant,
     "nested non-reentrant checkpoints under a strict live budget": nested_non_reentrant_under_strict_budget,
-    "the drain releases params of an nn.MultiheadAttention that no backward reaches": self_attention_without_backward,
 }
 
 

@@ -9,7 +9,8 @@ found. ``verdict`` compares them in the parent:
   (fp32, ``RTOL``/``ATOL``), and nothing is left gathered or held after any backward or step;
 * the drain at the end of the fork's backward finds nothing, unless a forward whose backward
   never runs came before it in the same micro-batch (``LEFTOVER_EXTRAS``: that forward's params
-  are released by the next backward event, which may be that drain);
+  are released by the next backward event, which may be that drain); params the drain's sweep
+  finds gathered but held by nothing count only in a regular schedule (``regular_schedule``);
 * stock's outcome is recorded beside it, so that a report tells "both fail" from "only the fork".
   ``Verdict.failed``: the fork is not clean where stock is, or it ran to the end and was wrong.
 
@@ -48,6 +49,7 @@ class RunResult:
     deltas: Optional[Dict[str, torch.Tensor]] = None
     held: List[str] = dataclasses.field(default_factory=list)
     drained: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (backward index, params)
+    swept: List[Tuple[int, int]] = dataclasses.field(default_factory=list)  # (backward index, params)
 
 
 # ---------------------------------------------------------------------------- in the ranks
@@ -143,11 +145,26 @@ def held_params(engine, gathered=True) -> List[str]:
 
 
 def _drained(engine):
+    """(params the drains released from live invocations, params their sweeps found unheld)."""
     import zero3_ac
     stats = zero3_ac.lifecycle_stats(engine)
     if stats is None:
-        return 0
-    return stats["total_drained_params"] + stats["total_swept_params"]
+        return 0, 0
+    return stats["total_drained_params"], stats["total_swept_params"]
+
+
+def regular_schedule(extras) -> bool:
+    """Every micro-batch runs the same forwards.
+
+    Note: [Sweeps after a schedule change]
+    ZeRO-3 records the order of module calls in the first step and, while later steps follow it,
+    keeps params gathered that the trace says come back within the reuse distance. A step that
+    runs more or fewer forwards (two per backward, an extra one without backward) leaves params
+    kept for a reuse that never comes, stock and fork alike; the fork's end-of-backward sweep
+    releases them (stock leaves them to its next release-all). They are ZeRO's reuse policy, not
+    holds the lifecycle forgot, so the sweep is judged only where the schedule never changes.
+    """
+    return len(set(extras)) <= 1
 
 
 def _values(engine):
@@ -203,7 +220,7 @@ def run_engine(example: Example, batches, seconds, rank) -> RunResult:
         optimizer = torch.optim.SGD(list(_trainable(model).values()), lr=LR)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(example))
         initial = _values(engine)
-        drained = 0
+        drained = (0, 0)
         for index, extra in enumerate(example.schedule.extras):
             where = f"micro-batch {index} ({extra}): forward"
             loss = _micro_step(engine, example, index, batches[index][rank], seconds[index][rank], result.held)
@@ -215,9 +232,11 @@ def run_engine(example: Example, batches, seconds, rank) -> RunResult:
                 loss.backward()
             result.held += [f"after backward {index}: {p}" for p in held_params(engine)]
             now = _drained(engine)
-            if now != drained:
-                result.drained.append((index, now - drained))
-                drained = now
+            if now[0] != drained[0]:
+                result.drained.append((index, now[0] - drained[0]))
+            if now[1] != drained[1]:
+                result.swept.append((index, now[1] - drained[1]))
+            drained = now
             where = f"micro-batch {index} ({extra}): step"
             engine.step()
             result.held += [f"after step {index}: {p}" for p in held_params(engine)]
@@ -286,6 +305,9 @@ def problems(run: RunResult, reference: RunResult, rank: int, extras) -> List[st
     found += [f"rank {rank}: left gathered or held {held}" for held in run.held[:5]]
     found += [f"rank {rank}: the drain at the end of backward {index} released {count} params"
               for index, count in run.drained if extras is not None and extras[index] not in LEFTOVER_EXTRAS][:5]
+    found += [f"rank {rank}: the sweep at the end of backward {index} released {count} unheld params"
+              for index, count in run.swept
+              if extras is not None and regular_schedule(extras) and extras[index] not in LEFTOVER_EXTRAS][:5]
     return found
 
 
