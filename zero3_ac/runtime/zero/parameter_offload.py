@@ -244,6 +244,12 @@ class ModuleInvocationHooks:
                 offload.backward_hooks.append(handle)
 
     # ------------------------------------------------------------------ forward hooks
+    # Note: [The hooks run eagerly under torch.compile]
+    #     The lifecycle is host-side bookkeeping that must run at every call, and weakref callbacks
+    #     change its queues between any two calls; traced by Dynamo, a restarted analysis takes
+    #     another path (``SpeculationLogDivergence``). Like upstream's own module hooks, the fork's
+    #     run outside the compiled graph.
+    @torch.compiler.disable
     def pre_forward(self, module, args, kwargs):
         in_backward = autograd_context.in_backward()
         if in_backward:
@@ -280,6 +286,7 @@ class ModuleInvocationHooks:
         invocation.context = boundary
         return args, kwargs
 
+    @torch.compiler.disable
     def post_forward(self, module, args, output):
         invocation = self.lifecycle.innermost_forward(module)
         if invocation is None:
