@@ -305,13 +305,6 @@ class ModuleInvocationHooks:
             self.params.release(self.lifecycle.close_forward(invocation, own_slot=slot), module)
             if invocation.phase is Phase.RECOMPUTE:
                 self.params.evict_over_budget()
-            elif module is self.offload.module and not torch.is_grad_enabled():
-                # Note: [The end of a forward without grad]
-                #     ZeRO-3 keeps params its trace says come back soon (the reuse distance). After
-                #     a root forward under no_grad (evaluation, a reference model's log-probs) no
-                #     backward of that forward comes: release what nothing holds now, instead of
-                #     leaving it to the next drain (stock leaves it to its next release-all).
-                self.params.release_unheld(module)
         return output
 
     def _open_slot_on_grad(self, slot, tensor, wrapped_by_id):
