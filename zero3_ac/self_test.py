@@ -11,6 +11,7 @@ import contextlib
 import glob
 import math
 import os
+import sys
 import socket
 import time
 import traceback
@@ -117,9 +118,12 @@ def _destroy_process_group():
     pytorch/pytorch#179291 (an atexit ``destroy_process_group``, abandoned) explains it by a gloo
     thread that frees a tensor of a collective, and so needs the GIL, while the interpreter
     finalizes. So every rank destroys its groups before it returns, and a rank's exit code counts,
-    not only its report. What this does not do: gloo's ``shutdown()`` is a no-op in torch 2.13, and
-    its threads stop only when the last reference to the group goes, which DeepSpeed keeps after
-    the destroy (``deepspeed.utils.groups._WORLD_GROUP`` among others).
+    not only its report. The destroy is not enough: gloo's ``shutdown()`` is a no-op in torch 2.13,
+    and its threads stop only when the last reference to the group goes, which DeepSpeed keeps
+    after the destroy (``deepspeed.utils.groups._WORLD_GROUP`` among others); the abort was seen
+    again in a fresh-clone CI run of ``python -m zero3_ac doctor`` on DeepSpeed 0.18.5. So a rank
+    that has handed over its report leaves with ``os._exit`` (``exit_without_finalizing``): the
+    interpreter's finalization, where the gloo thread aborts, never runs.
     """
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
@@ -142,7 +146,15 @@ def run_rank(rank, port, queue):
         report["error"] = traceback.format_exception_only(type(error), error)[-1].strip().splitlines()[0]
     finally:
         _destroy_process_group()
-    queue.put(report)
+    queue.put(report)  # a SimpleQueue: written once put returns
+    exit_without_finalizing(0)
+
+
+def exit_without_finalizing(code):
+    """Flush the standard streams and leave now (Note: [Process groups at interpreter exit])."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def failures(report) -> list:
