@@ -2,11 +2,12 @@
 
 from zero3_ac.activation import DISABLE_ENV, apply, is_active, remove
 from zero3_ac.runtime.zero.accounting import STEP_LOG_ENV, set_step_logging
+from zero3_ac.utils.z3_leaf_module import set_gather_units
 from zero3_ac.version_guard import SUPPORTED_RANGE, UnsupportedDeepSpeedVersion
 
 __version__ = "0.1.0"
 
-__all__ = ["apply", "remove", "is_active", "lifecycle_stats", "set_step_logging", "DISABLE_ENV", "STEP_LOG_ENV",
+__all__ = ["apply", "remove", "is_active", "lifecycle_stats", "set_gather_units", "set_step_logging", "DISABLE_ENV", "STEP_LOG_ENV",
            "SUPPORTED_RANGE", "UnsupportedDeepSpeedVersion", "__version__"]
 
 

@@ -99,7 +99,10 @@ def assert_trained_with_the_fork(result, summaries, loss_decreases=True):
         assert losses[-1] < losses[0] or not loss_decreases, context
         assert [step["params_gathered_after_step"] for step in summary["steps"]] == [0] * STEPS, context
         assert [step["frozen_backward_regathers"] for step in summary["steps"]] == [0] * STEPS, context
-        assert all(step["gathered_bytes"]["recompute"] > 0 for step in summary["steps"]), context
+        # Each decoder layer is a gather unit, and transformers checkpoints a layer's forward inside its hooks:
+        # the unit's backward slot gathers before the recompute, which may then gather nothing itself.
+        assert all(step["gathered_bytes"]["recompute"] + step["gathered_bytes"]["backward"] > 0
+                   for step in summary["steps"]), context
         stats = summary["lifecycle_stats"]
         assert stats["total_drained_params"] == 0 and stats["total_swept_params"] == 0, context
 

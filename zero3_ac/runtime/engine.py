@@ -1,6 +1,7 @@
 """Setups of ``DeepSpeedEngine`` that the per-invocation lifecycle refuses: extends upstream ``engine.py``."""
 
 from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
+from zero3_ac.utils.z3_leaf_module import remember_config_setting
 
 
 class UnsupportedSetup(RuntimeError):
@@ -29,7 +30,8 @@ def compile(engine, stock, *args, **kwargs):
 
 
 def configure_zero_optimizer(engine, stock, *args, **kwargs):
-    """Wraps ``DeepSpeedEngine._configure_zero_optimizer``: ZenFlow on ZeRO-3 is refused.
+    """Wraps ``DeepSpeedEngine._configure_zero_optimizer``: the config's gather units reach the hooks' registration,
+    and ZenFlow on ZeRO-3 is refused.
 
     Note: [ZenFlow keeps params transposed between its hooks]
         With ZenFlow, upstream's ``pre_sub_module_forward_function`` and
@@ -38,6 +40,8 @@ def configure_zero_optimizer(engine, stock, *args, **kwargs):
         gathers through the ``pre_`` functions but releases params itself, at other times than a
         module's end, and never calls the ``post_`` ones: params would be released transposed.
     """
+    if engine.zero_optimization_partition_weights():
+        remember_config_setting(engine.module, engine._config._param_dict)
     if getattr(engine, "zenflow", False) and engine.zero_optimization_partition_weights():
         raise UnsupportedSetup(
             "zero3_ac: ZenFlow (zero_optimization.zenflow) with ZeRO stage 3 transposes params between ZeRO-3's "

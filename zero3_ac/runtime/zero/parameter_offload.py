@@ -62,6 +62,7 @@ from deepspeed.utils import logger, z3_leaf_module
 from zero3_ac.runtime.zero import autograd_context
 from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
 from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
+from zero3_ac.utils.z3_leaf_module import is_gather_unit, mark_gather_units
 
 LIFECYCLE_ATTR = "_zero3_ac_hooks"
 
@@ -222,23 +223,26 @@ class ModuleInvocationHooks:
         #     slots that wait for its gradient never close.
         registered = {id(handle) for handle in self.offload.backward_hooks}
         self._grad_hooks = {param: handle for param, handle in self._grad_hooks.items() if id(handle) in registered}
+        mark_gather_units(root, self.offload._max_available_parameters_in_numel)
         ids = itertools.count()
         stack = [root]
         while stack:
             module = stack.pop()
             module.ds_id = next(ids)
-            if z3_leaf_module(module):
+            leaf = z3_leaf_module(module)
+            if leaf and not is_gather_unit(module):
                 for param in module.parameters():
                     param.ds_z3_leaf_module = module
-            else:
+            if not leaf:
                 stack.extend(reversed(list(module.children())))
-            self._register_hooks(module)
+            self._register_hooks(module, leaf)
 
-    def _register_hooks(self, module):
+    def _register_hooks(self, module, leaf):
         offload = self.offload
         offload.forward_hooks.append(module.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
         offload.forward_hooks.append(module.register_forward_hook(self.post_forward))
-        for param in module.parameters(recurse=False):
+        # A leaf's calls are the only ones inside it: it waits for the gradients of its whole subtree.
+        for param in module.parameters(recurse=leaf):
             if param.requires_grad and param not in self._grad_hooks:
                 handle = self._grad_hooks[param] = param.register_post_accumulate_grad_hook(self._on_param_grad)
                 offload.backward_hooks.append(handle)
