@@ -35,6 +35,7 @@ def _wrapping(owner, name, fork_function):
 
 def _patches():
     from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero import partition_parameters
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -48,6 +49,7 @@ def _patches():
         fork.register_deepspeed_module(self, module)
 
     patches = [
+        (partition_parameters, "zero3_linear_wrap", fork_linear.zero3_linear_wrap),
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),

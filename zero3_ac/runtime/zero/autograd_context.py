@@ -57,6 +57,24 @@ def is_replay_recompute() -> bool:
     return any(marker in qualname for marker in _REPLAY_PACK_HOOKS)
 
 
+# The pack hooks of a checkpointed region's forward (whose saved tensors are dropped) and of its
+# recompute (whose saved tensors feed this backward): torch's, and DeepSpeed's non_reentrant_checkpoint.
+_CHECKPOINT_PACK_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.", "checkpoint_pack", "replay_pack")
+
+
+def inside_checkpoint() -> bool:
+    """Inside an activation-checkpointed region, forward or recompute, or inside a reentrant recompute.
+
+    A reentrant checkpoint's forward runs under ``no_grad`` and its recompute inside the backward
+    with no saved-tensors hook; a non-reentrant one's forward and recompute run under their pack hooks.
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return in_backward()
+    qualname = getattr(hooks[0], "__qualname__", "")
+    return any(marker in qualname for marker in _CHECKPOINT_PACK_HOOKS)
+
+
 def outside_selective_checkpoint():
     """A context in which ops are not seen by an enclosing selective checkpoint."""
     if any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack()):

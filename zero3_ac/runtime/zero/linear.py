@@ -15,9 +15,31 @@ Note: [Selective checkpointing and an in-place bias]
     flattened to 2-d, as ``torch.nn.functional.linear`` itself does (so a policy written for plain
     torch sees the same ops). It allocates no more than upstream's, and the memory benefit (the
     param itself is saved for backward, so its release frees the gathered weight) is unchanged.
+
+Note: [torch's own linear inside a checkpoint]
+    ZeRO-3's linear exists for memory: torch's linear saves ``weight.t()``, a view that keeps the
+    gathered storage alive after ZeRO-3 releases the param, up to the backward; ZeRO-3's Function
+    saves the param itself, whose release frees it. Inside an activation-checkpointed region that
+    reason is gone: the region's forward keeps no saved tensor (a non-reentrant checkpoint's pack
+    hook keeps only metadata, a reentrant one runs under ``no_grad``), and its recompute runs in
+    the backward that consumes it, while the lifecycle holds the params gathered until that call's
+    backward is done. There the fork calls torch's linear, for three reasons:
+    - no Python autograd Function per call: ``Function.apply`` binds the arguments through
+      ``inspect.signature`` on every call (``setup_context`` style), and its backward is Python;
+    - the recompute saves a view, not the param: a release between the recompute and the check
+      at its end cannot change what torch compares (``CheckpointError ... [N] vs [0]``);
+    - the backward reads the values gathered for it and never gathers again.
+    The choice depends only on where the call runs, so a region's forward and its recompute take
+    the same path and save the same tensors. Outside checkpointed regions (a forward with grad
+    and no checkpoint) ZeRO-3's Function is kept. DeepSpeed 0.19.3+ installs the wrapper as
+    ``torch.nn.functional.linear`` at ``initialize``; earlier releases inside ``zero.Init``.
 """
 
 import torch
+from deepspeed.runtime.zero import linear as upstream
+from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+from zero3_ac.runtime.zero import autograd_context
 
 
 def forward(input, weight, bias=None):
@@ -30,6 +52,18 @@ def forward(input, weight, bias=None):
     return flat.view(*input.shape[:-1], weight.shape[0])
 
 
+def zero3_linear_wrap(input, weight, bias=None):
+    """Replaces upstream ``zero3_linear_wrap`` (see [torch's own linear inside a checkpoint])."""
+    if autograd_context.inside_checkpoint() or not torch.is_grad_enabled():
+        return _torch_linear()(input, weight, bias)
+    return upstream.LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+
+def _torch_linear():
+    """``torch.nn.functional.linear`` as it was before ZeRO-3 replaced it (whatever wrapped it before)."""
+    return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch._C._nn.linear)
+
+
 def replacement_forward(linear_function):
     """The fork's forward in the calling convention of this DeepSpeed's ``LinearFunctionForZeroStage3``.
 
@@ -38,7 +72,6 @@ def replacement_forward(linear_function):
     """
     if "setup_context" in linear_function.__dict__:
         return staticmethod(forward)
-    from deepspeed.runtime.zero import linear as upstream
 
     @upstream.autocast_custom_fwd
     def forward_saving_inputs(ctx, input, weight, bias=None):

@@ -197,6 +197,7 @@ class ModuleInvocationHooks:
         self._hooks_to_remove = []
         self._grad_hooks = {}  # trainable param -> its post-accumulate-grad hook handle
         self._trainable_by_module = {}
+        self._params_under = {}  # module -> the params of its subtree, as of the last registration
         self.on_aborted_backward = None
 
     def bookkeeping_size(self) -> dict:
@@ -224,6 +225,8 @@ class ModuleInvocationHooks:
         registered = {id(handle) for handle in self.offload.backward_hooks}
         self._grad_hooks = {param: handle for param, handle in self._grad_hooks.items() if id(handle) in registered}
         mark_gather_units(root, self.offload._max_available_parameters_in_numel)
+        self._params_under.clear()
+        self.params.forget_model_params()
         ids = itertools.count()
         stack = [root]
         while stack:
@@ -348,7 +351,10 @@ class ModuleInvocationHooks:
         (users may freeze or unfreeze params between steps)."""
         trainable = self._trainable_by_module.get(module)
         if trainable is None:
-            trainable = {param for param in module.parameters() if param.requires_grad}
+            params = self._params_under.get(module)
+            if params is None:  # the tree under a module changes only with a registration
+                params = self._params_under[module] = list(module.parameters())
+            trainable = {param for param in params if param.requires_grad}
             trainable.update(param for param in module_params(module) if param.requires_grad)
             self._trainable_by_module[module] = trainable
         return trainable

@@ -148,6 +148,10 @@ class InvocationParams:
         self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
+        self._model_params = {}  # root module -> its params, for the sweep; kept until the next registration
+
+    def forget_model_params(self) -> None:
+        self._model_params.clear()
 
     def _tap_phase(self) -> str:
         # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that
@@ -237,8 +241,11 @@ class InvocationParams:
     def release_unheld(self, root_module) -> int:
         """Release every gathered param that nothing holds (persistent and external ones excepted);
         returns how many."""
+        params = self._model_params.get(root_module)
+        if params is None:
+            params = self._model_params[root_module] = list(iter_params(root_module, recurse=True))
         released = 0
-        for param in iter_params(root_module, recurse=True):
+        for param in params:
             if (is_zero_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
                 self._release_through_coordinator(param)

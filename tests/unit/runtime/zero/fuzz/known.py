@@ -5,30 +5,9 @@ fuzzes the whole grammar and is expected to fail until they are fixed, and each 
 regression test in ``test_fuzz_regressions.py``. Remove an entry when its fix lands.
 """
 
-from tests.unit.runtime.zero.fuzz.spec import Example, SequentialSpec
+from tests.unit.runtime.zero.fuzz.spec import Example
 
-NON_REENTRANT = ("nonreentrant", "selective", "ds_nonreentrant")
-
-
-def _blocks_with_context(example: Example):
-    """(block, whether a non-reentrant checkpoint of its parent's holds it) for every block."""
-    for stage in example.model.stages:
-        if isinstance(stage, SequentialSpec):
-            for block in stage.blocks:
-                yield block, not stage.use_reentrant
-        else:
-            yield stage, stage.checkpoint in NON_REENTRANT
-
-
-def nested_non_reentrant_under_strict_budget(example: Example) -> bool:
-    """A body with a submodule (a Linear body passes) inside nested non-reentrant checkpoints."""
-    return example.engine.strict and any(block.inner == "nonreentrant" and outer and block.body in ("recursive", "pair")
-                                          for block, outer in _blocks_with_context(example))
-
-
-KNOWN_FAILURES = {
-    "nested non-reentrant checkpoints under a strict live budget": nested_non_reentrant_under_strict_budget,
-}
+KNOWN_FAILURES = {}
 
 
 def known_failure(example: Example):
