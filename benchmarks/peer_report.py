@@ -54,9 +54,9 @@ Where the peers' settings differ:
   stock / fork: no `zero.Init` (transformers never quantizes under it): each rank loads the whole 4-bit model
   and `deepspeed.initialize` partitions the 4-bit weights like any frozen param, their `quant_state` whole on
   every rank (Note: [4-bit weights under ZeRO-3] in examples/qlora_lora.py). plain: every param but the 4-bit
-  weights cast to the run's dtype. fsdp2: every param but the 4-bit weights cast to bf16, the storage dtype
-  (FSDP2 gathers one dtype per group and its policy casts every param to `param_dtype`), so on CPU FSDP2's
-  QLoRA runs its unquantized layers and adapters in bf16 where the others run fp32.
+  weights cast to the run's dtype. fsdp2: every param but the 4-bit weights cast to bf16, the storage dtype,
+  and `param_dtype` bf16 (the policy casts the packed weights too, and any other dtype breaks their packing),
+  so on CPU FSDP2's QLoRA runs its unquantized layers and adapters in bf16 where the others run fp32.
 - On CPU everything is fp32 (no mixed precision), gloo; QLoRA's 4-bit layers compute in fp32.
 - All: AdamW lr 1e-4, random token ids (the same seed per rank for every system), labels = inputs.
 """

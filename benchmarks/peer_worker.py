@@ -164,8 +164,8 @@ def setup(args, system, world_size, device_name):
         return step, engine, sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
     param_dtype = dtype
     if qlora:
-        # FSDP2 gathers one dtype per group and its policy casts every param to param_dtype: under FSDP2 every
-        # param takes the 4-bit weights' storage dtype (bf16), which the policy then leaves as it is.
+        # FSDP2's policy casts every param to param_dtype, the packed 4-bit weights too (an fp32 cast breaks
+        # their packing): under FSDP2 every param takes their storage dtype (bf16), which the cast leaves as it is.
         param_dtype = QUANT_STORAGE if system == "fsdp2" else dtype
         model = cast_unquantized(build_qlora_model(args.qlora_base, args.ac, dtype, device_name), param_dtype)
     else:
