@@ -30,6 +30,7 @@ packed weights.
 
 import math
 import tempfile
+from importlib import metadata
 
 import torch
 
@@ -98,13 +99,8 @@ class QLoRAProbe(LifecycleProbe):
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
-        self.summary["versions"]["bitsandbytes"] = _bitsandbytes_version()
+        self.summary["versions"]["bitsandbytes"] = metadata.version("bitsandbytes")
         self.summary["quantized_weights"] = quantized_weights(self.engine, args.world_size)
-
-
-def _bitsandbytes_version():
-    import bitsandbytes
-    return bitsandbytes.__version__
 
 
 def main(argv=None):
