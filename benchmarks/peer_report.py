@@ -48,7 +48,16 @@ Where the peers' settings differ:
   `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
   `stage3_param_persistence_threshold 0`. Stock and fork differ only in `ZERO3_AC_DISABLE=1`.
   For the full fine-tune that is 16 bytes per param of optimizer-side state against 8 for plain and FSDP2.
-- On CPU everything is fp32 (no mixed precision), gloo.
+- qlora (every system): the base is loaded by transformers in 4 bits (bitsandbytes NF4, bf16 quant storage,
+  compute in the run's dtype) from a bf16 checkpoint of the same random init, then
+  `prepare_model_for_kbit_training` (the unquantized params in fp32) and LoRA r16 on every linear layer.
+  stock / fork: no `zero.Init` (transformers never quantizes under it): each rank loads the whole 4-bit model
+  and `deepspeed.initialize` partitions the 4-bit weights like any frozen param, their `quant_state` whole on
+  every rank (Note: [4-bit weights under ZeRO-3] in examples/qlora_lora.py). plain: every param but the 4-bit
+  weights cast to the run's dtype. fsdp2: every param but the 4-bit weights cast to bf16, the storage dtype,
+  and `param_dtype` bf16 (the policy casts the packed weights too, and any other dtype breaks their packing),
+  so on CPU FSDP2's QLoRA runs its unquantized layers and adapters in bf16 where the others run fp32.
+- On CPU everything is fp32 (no mixed precision), gloo; QLoRA's 4-bit layers compute in fp32.
 - All: AdamW lr 1e-4, random token ids (the same seed per rank for every system), labels = inputs.
 """
 

@@ -1,4 +1,5 @@
-"""One rank of one peer-benchmark configuration: a system (plain, fsdp2, stock, fork), LoRA or full, a checkpointing mode.
+"""One rank of one peer-benchmark configuration: a system (plain, fsdp2, stock, fork), LoRA, QLoRA or full, a
+checkpointing mode.
 
 ``peers.py`` starts a fresh set of these processes for every configuration and round. Stock and fork
 differ only in ``ZERO3_AC_DISABLE`` in the process environment: the installed package's start-up hook
@@ -12,7 +13,8 @@ import warnings
 import torch
 
 from spawn import rank_environment
-from workload import MODELS, AllGatherCounter, build_model, zero3_config
+from workload import (MODELS, QUANT_STORAGE, AllGatherCounter, build_model, build_qlora_model, cast_unquantized,
+                      zero3_config)
 
 SYSTEMS = ("plain", "fsdp2", "stock", "fork")
 ZERO_SYSTEMS = ("stock", "fork")
@@ -138,13 +140,17 @@ def setup(args, system, world_size, device_name):
     """(step function, ZeRO engine or None, trainable param count) for ``system``."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     full = args.mode == "full"
+    qlora = args.mode == "qlora"
     if system in ZERO_SYSTEMS:
         import deepspeed
         import zero3_ac
         if zero3_ac.is_active() != (system == "fork"):
             raise RuntimeError(f"{system} asked for, but zero3_ac.is_active() is {zero3_ac.is_active()}")
         config = zero3_config(args.device, args.mbs, dtype)
-        model = build_model(args.model, args.ac, full, dtype, ds_config=config if args.device == "cuda" else None)
+        if qlora:
+            model = build_qlora_model(args.qlora_base, args.ac, dtype, device_name)
+        else:
+            model = build_model(args.model, args.ac, full, dtype, ds_config=config if args.device == "cuda" else None)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -156,9 +162,16 @@ def setup(args, system, world_size, device_name):
             return loss
 
         return step, engine, sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
-    model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name, dtype=dtype)
+    param_dtype = dtype
+    if qlora:
+        # FSDP2's policy casts every param to param_dtype, the packed 4-bit weights too (an fp32 cast breaks
+        # their packing): under FSDP2 every param takes their storage dtype (bf16), which the cast leaves as it is.
+        param_dtype = QUANT_STORAGE if system == "fsdp2" else dtype
+        model = cast_unquantized(build_qlora_model(args.qlora_base, args.ac, dtype, device_name), param_dtype)
+    else:
+        model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name, dtype=dtype)
     if system == "fsdp2":
-        model = fsdp2_shard(model, args.device, world_size, dtype)
+        model = fsdp2_shard(model, args.device, world_size, param_dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in trainable) * (world_size if system == "fsdp2" else 1)
     return plain_step(model, torch.optim.AdamW(trainable, lr=1e-4), trainable), None, count

@@ -2,13 +2,16 @@
 
     python benchmarks/peers.py --device cpu --shape small --world 1,2 --rounds 2 --out benchmarks/results/x
     python benchmarks/peers.py --device cuda --shape 1.1b --systems plain,fsdp2,stock,fork --modes lora,full
+    python benchmarks/peers.py --device cuda --shape 8b --systems stock,fork --modes qlora --out benchmarks/results/y
 
 Every (world size, system, mode, checkpointing) configuration runs in a fresh set of rank processes;
 a round runs every configuration once (each round starts one configuration later, so that no
 configuration always runs first), and rounds repeat until ``--rounds`` or ``--budget-s``. Stock and
 fork differ only in ``ZERO3_AC_DISABLE=1`` in the child environment. Writes results.json (every run
 and the summary), README.md (the table, the command line, definitions) and peers.png to ``--out``.
-Definitions and where the peers' settings differ: ``peer_report.NOTES``.
+Definitions and where the peers' settings differ: ``peer_report.NOTES``. ``--modes qlora`` (bitsandbytes)
+first saves the random-init base as a bf16 checkpoint in a temporary directory, from a child process;
+every QLoRA run loads it in 4 bits, as a user's script loads a downloaded one.
 """
 
 import argparse
@@ -17,16 +20,22 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
+import tempfile
 import time
+
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peer_report  # noqa: E402
 from peer_worker import SYSTEMS, worker  # noqa: E402
 from spawn import start_ranks  # noqa: E402
+from workload import save_random_base  # noqa: E402
 
 SHAPES = {"small": "tiny", "1.1b": "tinyllama", "8b": "llama3-8b"}
-MODES = ("lora", "full")
+MODES = ("lora", "full", "qlora")
+DEFAULT_MODES = ("lora", "full")
 CHECKPOINTING = ("nonreentrant", "reentrant")
 
 
@@ -88,10 +97,24 @@ def run_configuration(args, world, system, mode, ac):
     return result
 
 
+def saved_qlora_base(args):
+    """A temporary directory with QLoRA's base checkpoint, written by a child process on GPU 0 (or the CPU),
+    so that this process holds no GPU memory while the configurations run."""
+    directory = tempfile.mkdtemp(prefix="peers_qlora_base_")
+    process = torch.multiprocessing.get_context("spawn").Process(
+        target=save_random_base, args=(args.model, directory, "cuda:0" if args.device == "cuda" else None))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise SystemExit(f"saving the QLoRA base checkpoint of {args.model} failed (exit code {process.exitcode})")
+    return directory
+
+
 def environment():
     import torch
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "peft", "deepspeed"):
+    for name in ("transformers", "peft", "deepspeed", "bitsandbytes"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -123,7 +146,8 @@ def parse(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on CPU, 1.1b on GPU")
     parser.add_argument("--systems", type=listed(SYSTEMS), default=list(SYSTEMS))
-    parser.add_argument("--modes", type=listed(MODES), default=list(MODES))
+    parser.add_argument("--modes", type=listed(MODES), default=list(DEFAULT_MODES),
+                        help="lora, full, qlora (LoRA r16 on a 4-bit NF4 base, bitsandbytes); default lora,full")
     parser.add_argument("--ac", type=listed(CHECKPOINTING), default=list(CHECKPOINTING))
     parser.add_argument("--lora-only-ac", type=listed(CHECKPOINTING), default=[],
                         help="checkpointing modes to run for LoRA only (not for the full fine-tune)")
@@ -157,6 +181,19 @@ def main(argv=None):
     args.environment = environment()
     configs = configurations(args)
     started = time.monotonic()
+    args.qlora_base = saved_qlora_base(args) if "qlora" in args.modes else None
+    try:
+        runs, complete = run_rounds(args, command, configs, started)
+    finally:
+        if args.qlora_base:
+            shutil.rmtree(args.qlora_base, ignore_errors=True)
+    write(args, command, runs, complete)
+    print(peer_report.markdown(peer_report.summarize(runs)))
+    return 0 if complete and not any(run["error"] for run in runs) else 1
+
+
+def run_rounds(args, command, configs, started):
+    """Every configuration once per round, each round shifted by one, until ``--rounds`` or ``--budget-s``."""
     runs, complete = [], True
     for round_index in range(args.rounds):
         shift = round_index % len(configs)
@@ -172,9 +209,7 @@ def main(argv=None):
         if not complete:
             print(f"budget of {args.budget_s} s spent: stopped in round {round_index}", flush=True)
             break
-    write(args, command, runs, complete)
-    print(peer_report.markdown(peer_report.summarize(runs)))
-    return 0 if complete and not any(run["error"] for run in runs) else 1
+    return runs, complete
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The benchmarks' workload: Llama shapes from a transformers config, PEFT LoRA, HF checkpointing, collectives count.
+"""The benchmarks' workload: Llama shapes from a transformers config, PEFT LoRA or QLoRA, HF checkpointing,
+collectives count.
 
 Shared by ``bench.py`` (stock vs fork) and ``peers.py`` (plain PyTorch, FSDP2, stock, fork).
 """
@@ -18,6 +19,8 @@ MODELS = {
                  num_key_value_heads=2, max_position_embeddings=256),
 }
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# QLoRA's 4-bit weights are packed in bf16 elements (bnb_4bit_quant_storage), and its base checkpoint is bf16.
+QUANT_STORAGE = torch.bfloat16
 
 
 @contextlib.contextmanager
@@ -56,6 +59,47 @@ def build_model(model_name, ac, full, dtype, ds_config=None, device=None):
             model.enable_input_require_grads()
     if not full:
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    return model
+
+
+def save_random_base(model_name, directory, device=None):
+    """QLoRA's base: the random-init ``model_name`` in bf16, created on ``device``, saved as a transformers checkpoint.
+
+    The same seed as :func:`build_model`. Run it where torch.distributed is not initialized (``save_pretrained``
+    writes on rank 0 only once it is).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    with _created_as(QUANT_STORAGE, device):
+        model = LlamaForCausalLM(LlamaConfig(**MODELS[model_name]))
+    model.save_pretrained(directory)
+
+
+def build_qlora_model(directory, ac, compute_dtype, device):
+    """The base in ``directory`` loaded in 4 bits on ``device`` (bitsandbytes NF4, bf16 storage, ``compute_dtype``),
+    ``prepare_model_for_kbit_training`` (the params left unquantized in fp32), LoRA r16 on every linear layer,
+    HF checkpointing as ``ac``. No ``zero.Init``: transformers never quantizes under it; a ZeRO-3 engine
+    partitions the 4-bit weights when it is created (Note: [4-bit weights under ZeRO-3] in examples/qlora_lora.py).
+    """
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=QUANT_STORAGE)
+    model = LlamaForCausalLM.from_pretrained(directory, quantization_config=quantization, dtype=QUANT_STORAGE,
+                                             device_map={"": device})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=ac != "none",
+                                            gradient_checkpointing_kwargs={"use_reentrant": ac == "reentrant"})
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+
+
+def cast_unquantized(model, dtype):
+    """Cast every floating param but the 4-bit weights to ``dtype``, in place (transformers refuses
+    ``.to(dtype)`` on a quantized model; the packed weights must keep their storage dtype)."""
+    from bitsandbytes.nn import Params4bit
+    for param in model.parameters():
+        if not isinstance(param, Params4bit) and param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
     return model
 
 

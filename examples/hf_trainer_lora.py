@@ -54,19 +54,28 @@ TINYLLAMA_1_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632
                       num_attention_heads=32, num_key_value_heads=4)
 
 
-def build_model(args):
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(args.seed)
+def llama_config(args):
+    """The Llama config of ``--shape``: TinyLlama-1.1B's, or a tiny one from the size options."""
+    from transformers import LlamaConfig
     if args.shape == "tinyllama":
-        config = LlamaConfig(**TINYLLAMA_1_1B, max_position_embeddings=max(2048, args.seq_len))
-    else:
-        config = LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                             intermediate_size=2 * args.hidden_size, num_hidden_layers=args.layers,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.seq_len)
-    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+        return LlamaConfig(**TINYLLAMA_1_1B, max_position_embeddings=max(2048, args.seq_len))
+    return LlamaConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=args.seq_len)
+
+
+def lora_config(args):
+    """LoRA of rank ``--lora-rank`` on every linear layer of the decoder (the LM head excepted)."""
+    from peft import LoraConfig
+    return LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def build_model(args):
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    return get_peft_model(LlamaForCausalLM(llama_config(args)), lora_config(args))
 
 
 def training_arguments(args):

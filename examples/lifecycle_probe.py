@@ -3,7 +3,9 @@
 The examples add it so that a test (or a curious user) can see, without touching the training
 code: the losses, whether the fork was active in this process and in the engine, how many params
 were still gathered after each optimizer step, and how often frozen params were gathered again
-during a backward (the re-gathers that the fork removes). It works on stock DeepSpeed too.
+during a backward (the re-gathers that the fork removes). It works on stock DeepSpeed too. Under a
+ZeRO stage below 3 (a reference run without parameter partitioning) it records the losses and
+logs only.
 """
 
 import json
@@ -60,6 +62,7 @@ class LifecycleProbe(TrainerCallback):
         self.meter = None
         self.summary = {
             "versions": {name: _version(name) for name in ("torch", "deepspeed", "transformers", "peft", "trl")},
+            "zero_stage": None,
             "fork_active": None,
             "engine_uses_fork": None,
             "use_reentrant": None,
@@ -74,11 +77,13 @@ class LifecycleProbe(TrainerCallback):
         import zero3_ac
         from zero3_ac.utils.gather_meter import GatherMeter
         self.engine = self.trainer.deepspeed
-        if self.engine is None or self.engine.zero_optimization_stage() != 3:
-            raise RuntimeError("LifecycleProbe needs a DeepSpeed ZeRO-3 run: pass a ds_config with "
-                               "zero_optimization.stage 3 (--deepspeed, or an accelerate config with a deepspeed plugin).")
-        self.meter = GatherMeter(self.engine)
-        self.summary.update(rank=args.process_index, world_size=args.world_size, fork_active=zero3_ac.is_active(),
+        if self.engine is None:
+            raise RuntimeError("LifecycleProbe needs a DeepSpeed run: pass a ds_config (--deepspeed, or an accelerate "
+                               "config with a deepspeed plugin); its ZeRO-3 checks need zero_optimization.stage 3.")
+        stage = self.engine.zero_optimization_stage()
+        self.meter = GatherMeter(self.engine) if stage == 3 else None
+        self.summary.update(rank=args.process_index, world_size=args.world_size, zero_stage=stage,
+                            fork_active=zero3_ac.is_active(),
                             engine_uses_fork=zero3_ac.lifecycle_stats(self.engine) is not None,
                             use_reentrant=checkpointing_use_reentrant(self.engine.module))
 
@@ -88,17 +93,14 @@ class LifecycleProbe(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         _synchronize()
-        seconds = time.perf_counter() - self._step_started
-        regathers = self.meter.frozen_regathers()
-        gathered = self.meter.take()
-        self.summary["steps"].append({
-            "step": state.global_step,
-            "seconds": seconds,
-            "peak_memory_bytes": _peak_memory(),
-            "params_gathered_after_step": gathered_params(self.engine),
-            "frozen_backward_regathers": sum(n - 1 for n in regathers.values()),
-            "gathered_bytes": gathered["phase_bytes"],
-        })
+        step = {"step": state.global_step, "seconds": time.perf_counter() - self._step_started,
+                "peak_memory_bytes": _peak_memory()}
+        if self.meter is not None:
+            regathers = self.meter.frozen_regathers()
+            step.update(params_gathered_after_step=gathered_params(self.engine),
+                        frozen_backward_regathers=sum(n - 1 for n in regathers.values()),
+                        gathered_bytes=self.meter.take()["phase_bytes"])
+        self.summary["steps"].append(step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -123,9 +125,10 @@ class LifecycleProbe(TrainerCallback):
         return path
 
 
-def train_with_probe(trainer, summary_dir=None):
-    """``trainer.train()`` with a :class:`LifecycleProbe`; the summary is written even when training fails."""
-    probe = LifecycleProbe(trainer, summary_dir)
+def train_with_probe(trainer, summary_dir=None, probe_class=LifecycleProbe):
+    """``trainer.train()`` with a :class:`LifecycleProbe` (or ``probe_class``, a subclass); the summary is
+    written even when training fails."""
+    probe = probe_class(trainer, summary_dir)
     trainer.add_callback(probe)
     try:
         trainer.train()

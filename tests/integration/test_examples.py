@@ -41,23 +41,23 @@ def _tool(name):
     return os.path.join(os.path.dirname(sys.executable), name)
 
 
-def _launch_command(launcher, script, port):
+def _launch_command(launcher, script, port, ds_config):
     if launcher == "deepspeed":
         return [_tool("deepspeed"), "--num_gpus", str(WORLD_SIZE), "--master_port", str(port), script]
-    return [_tool("accelerate"), "launch", "--config_file", ACCELERATE_CONFIG, "--num_processes", str(WORLD_SIZE),
-            "--main_process_port", str(port), script]
+    return [_tool("accelerate"), "launch", "--config_file", ACCELERATE_CONFIG, "--deepspeed_config_file", ds_config,
+            "--num_processes", str(WORLD_SIZE), "--main_process_port", str(port), script]
 
 
-def launch(launcher, example, summary_dir, *args, **env):
-    """Run ``examples/<example>`` under ``launcher`` on CPU; return (completed process, summaries by rank)."""
+def launch(launcher, example, summary_dir, *args, ds_config=DS_CONFIG, **env):
+    """Run ``examples/<example>`` under ``launcher`` on CPU with ``ds_config``; return (process, summaries by rank)."""
     port = _free_port()
-    command = _launch_command(launcher, os.path.join(EXAMPLES, example), port)
+    command = _launch_command(launcher, os.path.join(EXAMPLES, example), port, ds_config)
     command += ["--ddp-backend", "gloo", "--steps", str(STEPS), "--summary", str(summary_dir), *args]
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "LOCAL_SIZE": str(WORLD_SIZE),
                 # nothing downloaded, nothing sent: TRL's trainers otherwise start a telemetry thread on rank 0
                 "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env}
     if launcher == "deepspeed":  # on CPU the Trainer takes the DeepSpeed config from accelerate's environment
-        full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=DS_CONFIG)
+        full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=ds_config)
     try:
         result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     finally:
