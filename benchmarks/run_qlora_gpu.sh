@@ -15,12 +15,7 @@ WORLDS=${WORLDS:-1}
 SYSTEMS=${SYSTEMS:-stock,fork}
 BUDGET_S=${BUDGET_S:-540}
 START=$SECONDS
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-# The installed package's zero3_ac.pth applies the fork in every process; PYTHONPATH entries do not
-# read .pth files, so a sitecustomize does the same here (ZERO3_AC_DISABLE=1 keeps a process stock).
-echo "import zero3_ac._autoload" >/tmp/site/sitecustomize.py
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/gpu_site.sh
 mkdir -p "$OUTDIR/qlora-$SHAPE"
 {
     date -u
