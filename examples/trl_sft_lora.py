@@ -2,9 +2,8 @@
 
 TRL forces ``use_reentrant=True`` when PEFT, ZeRO-3 and gradient checkpointing meet, because stock
 DeepSpeed used to crash there (``CheckpointError``). With the fork installed that crash is gone, so
-this script sets non-reentrant checkpointing back after building the trainer and before
-``train()``, which is when the Trainer enables checkpointing on the model
-(:func:`keep_non_reentrant_checkpointing`). ``--trl-default`` skips that, to compare.
+the script hands the trainer ``zero3_ac.integrations.trl.KeepNonReentrantCheckpointing``, which
+keeps the config's non-reentrant checkpointing (docs/clients.md). ``--trl-default`` leaves it out, to compare.
 
 Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.md), e.g. on CPU:
 
@@ -19,11 +18,10 @@ from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 
 
-def keep_non_reentrant_checkpointing(trainer):
-    """Undo TRL's ``use_reentrant=True`` for PEFT + ZeRO-3; call it between ``SFTTrainer(...)`` and ``train()``."""
-    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):  # new name, old alias
-        if hasattr(trainer.args, name):
-            setattr(trainer.args, name, {**(getattr(trainer.args, name) or {}), "use_reentrant": False})
+def trl_callbacks(args, config):
+    """The callbacks that keep the config's checkpointing, unless ``--trl-default`` asks for TRL's choice."""
+    from zero3_ac.integrations.trl import KeepNonReentrantCheckpointing
+    return [] if args.trl_default else [KeepNonReentrantCheckpointing(config)]
 
 
 def build_tokenizer(vocab_size):
@@ -73,9 +71,7 @@ def main(argv=None):
     samples = RepeatingSequences(args.batch_size * config.world_size, args.seq_len, args.vocab_size)
     dataset = Dataset.from_dict({"input_ids": [samples[i]["input_ids"].tolist() for i in range(len(samples))]})
     trainer = SFTTrainer(model=build_model(args), args=config, train_dataset=dataset,
-                         processing_class=build_tokenizer(args.vocab_size))
-    if not (args.trl_default or args.use_reentrant):
-        keep_non_reentrant_checkpointing(trainer)
+                         processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
     train_with_probe(trainer, args.summary)
 
 
