@@ -5,6 +5,9 @@ DeepSpeed used to crash there (``CheckpointError``). With the fork installed tha
 the script hands the trainer ``zero3_ac.integrations.trl.KeepNonReentrantCheckpointing``, which
 keeps the config's non-reentrant checkpointing (docs/clients.md). ``--trl-default`` leaves it out, to compare.
 
+``--offload-activations trl|deepspeed|transformers`` offloads activations to host memory on GPUs
+(``activation_offload.py``).
+
 Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.md), e.g. on CPU:
 
     DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate_zero3.yaml \\
@@ -13,6 +16,7 @@ Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.
 
 import tempfile
 
+import activation_offload
 from hf_trainer_lora import RepeatingSequences, argument_parser, build_model, check_world_size
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
@@ -39,6 +43,7 @@ def build_tokenizer(vocab_size):
 
 def sft_config(args):
     from trl import SFTConfig
+    offload, offload_checkpointing_kwargs = activation_offload.config_changes(args.offload_activations)
     return SFTConfig(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl_sft_lora_"),
         deepspeed=args.deepspeed,
@@ -50,13 +55,14 @@ def sft_config(args):
         bf16=args.bf16,
         warmup_steps=0,
         gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
+        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant, **offload_checkpointing_kwargs},
         max_length=args.seq_len,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         seed=args.seed,
+        **offload,
     )
 
 
@@ -65,13 +71,17 @@ def main(argv=None):
     from trl import SFTTrainer
     parser = argument_parser(__doc__)
     parser.add_argument("--trl-default", action="store_true", help="keep TRL's forced use_reentrant=True")
+    parser.add_argument("--offload-activations", choices=activation_offload.CHOICES, default=None,
+                        help="offload activations to host memory (GPUs): activation_offload.py")
     args = parser.parse_args(argv)
     config = sft_config(args)
     check_world_size(config)
     samples = RepeatingSequences(args.batch_size * config.world_size, args.seq_len, args.vocab_size)
     dataset = Dataset.from_dict({"input_ids": [samples[i]["input_ids"].tolist() for i in range(len(samples))]})
-    trainer = SFTTrainer(model=build_model(args), args=config, train_dataset=dataset,
-                         processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
+    trainer_class = activation_offload.offloading_trainer(SFTTrainer, args.offload_activations) \
+        if args.offload_activations else SFTTrainer
+    trainer = trainer_class(model=build_model(args), args=config, train_dataset=dataset,
+                            processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
     train_with_probe(trainer, args.summary)
 
 

@@ -100,7 +100,7 @@ def _config(kind, use_reentrant):
     return config_class(**common, **extra)
 
 
-def _trainer(kind, config, callbacks=()):
+def _trainer(kind, config, callbacks=(), trainer_class=None):
     import trl
     from datasets import Dataset
     _examples_importable()
@@ -120,8 +120,8 @@ def _trainer(kind, config, callbacks=()):
                                    "label": [True] * rows + [False] * rows})
     else:
         train = Dataset.from_dict({"prompt": prompts})
-    trainer_class = {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer, "reward": trl.RewardTrainer,
-                     "grpo": trl.GRPOTrainer, "rloo": trl.RLOOTrainer}[kind]
+    trainer_class = trainer_class or {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer,
+                                      "reward": trl.RewardTrainer, "grpo": trl.GRPOTrainer, "rloo": trl.RLOOTrainer}[kind]
     kwargs = dict(model=_peft_model(sequence_classification=kind == "reward"), args=config, train_dataset=train,
                   processing_class=build_tokenizer(VOCAB), callbacks=list(callbacks))
     if kind == "dpo":
