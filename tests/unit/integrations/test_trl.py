@@ -183,6 +183,29 @@ def _train(kind, with_callback):
                                                                          "engine_uses_fork", "lifecycle_stats")}}
 
 
+def _checkpoint_calls_per_step(kind, user_value, with_callback):
+    from transformers import TrainerCallback
+    from zero3_ac.integrations.trl import KeepNonReentrantCheckpointing
+
+    class EachStep(TrainerCallback):
+
+        def __init__(self):
+            self.calls = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.calls.append(dict(observer.calls))
+            observer.calls.clear()
+
+    with _trainer_state_dropped():
+        config = _config(kind, user_value)
+        each_step = EachStep()
+        callbacks = [KeepNonReentrantCheckpointing(config)] if with_callback else []
+        trainer = _trainer(kind, config, [*callbacks, each_step])
+        observer = _CheckpointObserver(trainer.model)
+        trainer.train()
+        return each_step.calls
+
+
 def _refused_without_the_fork():
     import zero3_ac
     from zero3_ac.activation import DISABLE_ENV
@@ -226,6 +249,23 @@ def test_trl_forces_reentrant_and_the_callback_keeps_the_users_non_reentrant(kin
     assert forced["gradient_checkpointing_kwargs"] is True, forced  # TRL's override, which the callback undoes
     kept = run_distributed(1, _use_reentrant_after_init, kind, False, with_callback=True)[0]
     assert kept == {"activation_checkpointing_kwargs": False, "gradient_checkpointing_kwargs": False}
+
+
+def test_with_use_reentrant_unset_trl_forces_only_the_deprecated_alias():
+    # transformers 5 enables checkpointing from activation_checkpointing_kwargs, which TRL leaves None here:
+    # the model starts non-reentrant, until DPO, KTO, GRPO or RLOO enable it again from the alias.
+    assert run_distributed(1, _use_reentrant_after_init, "sft", None, with_callback=False)[0] == {
+        "activation_checkpointing_kwargs": None, "gradient_checkpointing_kwargs": True}
+
+
+@pytest.mark.stock_fails
+def test_with_use_reentrant_unset_dpo_turns_reentrant_after_its_first_reference_forward_unless_the_callback_runs():
+    # The reference forward disables checkpointing and enables it again from the alias TRL forced.
+    non_reentrant = {"forward:_checkpoint_hook": LAYERS, "forward:None": LAYERS, "backward:_recomputation_hook": LAYERS}
+    reentrant = {"forward:None": 2 * LAYERS, "backward:None": LAYERS}
+    assert run_distributed(1, _checkpoint_calls_per_step, "dpo", None, with_callback=False)[0] == (
+        [non_reentrant] + [reentrant] * (STEPS - 1))
+    assert run_distributed(1, _checkpoint_calls_per_step, "dpo", None, with_callback=True)[0] == [non_reentrant] * STEPS
 
 
 @pytest.mark.stock_fails
