@@ -27,7 +27,7 @@ def config_changes(how):
 
 
 def offloading_trainer(trainer_class, how):
-    """A ``trainer_class`` that offloads with ``how`` (set up with :func:`config_changes`) and logs ``offload/tensors``."""
+    """A ``trainer_class`` that offloads with ``how`` (see :func:`config_changes`) and logs ``offload/tensors``."""
     if how == "deepspeed":
         try:
             from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload

@@ -13,8 +13,10 @@ DeepSpeed's skips every tensor of a synchronized device. The CPU tests of the fo
 are tests/unit/integrations/test_trl_activation_offload.py.
 """
 
+import importlib.util
 import math
 import os
+import subprocess
 
 import pytest
 from packaging.version import Version
@@ -23,12 +25,11 @@ from tests.integration.test_examples import (ACCELERATE_CONFIG, EXAMPLES, REPO, 
                                              assert_exited_cleanly, read_summaries)
 from zero3_ac import version_guard
 
-pytest.importorskip("trl")
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a GPU: on CPU TRL's activation offloading cannot be built (no accelerator), transformers' needs "
-           "pinned memory and DeepSpeed's moves nothing (see the module docstring)")
+    importlib.util.find_spec("trl") is None or not torch.cuda.is_available(),
+    reason="needs trl and a GPU: on CPU TRL's activation offloading cannot be built (no accelerator), "
+           "transformers' needs pinned memory and DeepSpeed's moves nothing (see the module docstring)")
 
 STEPS = 4
 # Offloading copies saved tensors to the host and back bit for bit, and reentrant and non-reentrant
@@ -39,7 +40,6 @@ DEEPSPEED_HAS_OFFLOAD = Version(version_guard.installed_deepspeed_version()) >= 
 
 
 def launch_on_one_gpu(summary_dir, *args, **env):
-    import subprocess
     command = [_tool("accelerate"), "launch", "--config_file", ACCELERATE_CONFIG, "--num_processes", "1",
                "--main_process_port", str(_free_port()), os.path.join(EXAMPLES, "trl_sft_lora.py"),
                "--steps", str(STEPS), "--summary", str(summary_dir), *args]

@@ -18,9 +18,9 @@ Note: [TRL's reentrant override]
     the user passed none (then only the alias holds it). The Trainer enables checkpointing on the
     model in ``train()`` from ``activation_checkpointing_kwargs``, so after the end of ``__init__``
     is not too late; DPO, KTO, GRPO and RLOO disable it around their reference forwards (and GRPO
-    and RLOO around generation) and enable it again from the alias. So the callback sets ``use_reentrant`` on both names in
-    ``on_init_end``. It reads the user's request when it is built, from the config, because
-    ``__init__`` overwrites the user's dict in place.
+    and RLOO around generation) and enable it again from the alias. So the callback sets
+    ``use_reentrant`` on both names in ``on_init_end``. It reads the user's request when it is
+    built, from the config, because ``__init__`` overwrites the user's dict in place.
 """
 
 from transformers import TrainerCallback
@@ -67,19 +67,19 @@ class KeepNonReentrantCheckpointing(TrainerCallback):
     """
 
     def __init__(self, config):
-        self.use_reentrant = bool(checkpointing_kwargs(config).get("use_reentrant", False))
+        self.user_asked_reentrant = bool(checkpointing_kwargs(config).get("use_reentrant", False))
         self.init_seen = False
 
     def on_init_end(self, args, state, control, **kwargs):
         self.init_seen = True
-        kwargs = checkpointing_kwargs(args)
-        if self.use_reentrant or not checkpointing_enabled(args) or not kwargs.get("use_reentrant"):
+        checkpoint_kwargs = checkpointing_kwargs(args)
+        if self.user_asked_reentrant or not checkpointing_enabled(args) or not checkpoint_kwargs.get("use_reentrant"):
             return
         require_fork()
-        kwargs["use_reentrant"] = False
+        checkpoint_kwargs["use_reentrant"] = False
         for name in CHECKPOINTING_KWARGS_NAMES:
             if hasattr(args, name):
-                setattr(args, name, kwargs)
+                setattr(args, name, checkpoint_kwargs)
         from deepspeed.utils import logger
         logger.info("zero3_ac: set use_reentrant=False back after TRL forced True for PEFT + ZeRO-3; "
                     "the fork runs non-reentrant checkpointing without CheckpointError or frozen re-gathers")
@@ -88,5 +88,6 @@ class KeepNonReentrantCheckpointing(TrainerCallback):
         if not self.init_seen:
             raise RuntimeError(
                 "KeepNonReentrantCheckpointing was added after the trainer was built: TRL overwrites "
-                "use_reentrant in __init__, so the callback can no longer tell your request from TRL's. Pass it "
-                "to the constructor instead: Trainer(..., args=config, callbacks=[KeepNonReentrantCheckpointing(config)]).")
+                "use_reentrant in __init__, so the callback can no longer tell your request from TRL's. Pass it to "
+                "the constructor instead: Trainer(..., args=config, "
+                "callbacks=[KeepNonReentrantCheckpointing(config)]).")

@@ -11,6 +11,7 @@
 """
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import pytest
 
 from tests.unit.common import run_distributed
 
-pytest.importorskip("trl")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -69,7 +70,8 @@ def _peft_model(sequence_classification=False):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4 * SEQ_LEN,
                          pad_token_id=0, num_labels=1)
     model_class = LlamaForSequenceClassification if sequence_classification else LlamaForCausalLM
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="SEQ_CLS" if sequence_classification else "CAUSAL_LM",
+    task_type = "SEQ_CLS" if sequence_classification else "CAUSAL_LM"
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type=task_type,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     return get_peft_model(model_class(config), lora)
 
@@ -121,7 +123,8 @@ def _trainer(kind, config, callbacks=(), trainer_class=None):
     else:
         train = Dataset.from_dict({"prompt": prompts})
     trainer_class = trainer_class or {"sft": trl.SFTTrainer, "dpo": trl.DPOTrainer, "kto": trl.KTOTrainer,
-                                      "reward": trl.RewardTrainer, "grpo": trl.GRPOTrainer, "rloo": trl.RLOOTrainer}[kind]
+                                      "reward": trl.RewardTrainer, "grpo": trl.GRPOTrainer,
+                                      "rloo": trl.RLOOTrainer}[kind]
     kwargs = dict(model=_peft_model(sequence_classification=kind == "reward"), args=config, train_dataset=train,
                   processing_class=build_tokenizer(VOCAB), callbacks=list(callbacks))
     if kind == "dpo":

@@ -12,6 +12,7 @@ runs the real ones on a GPU. Each must train as without offloading (same logs), 
 non-reentrant checkpoint, nothing left gathered, no frozen re-gather, nothing left packed.
 """
 
+import importlib.util
 import math
 
 import pytest
@@ -22,7 +23,7 @@ from tests.unit.integrations.test_trl import (ATOL, LAYERS, RTOL, STEPS, _Checkp
                                               _examples_importable, _trainer, _trainer_state_dropped)
 from zero3_ac import version_guard
 
-pytest.importorskip("trl")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed")
 
 HIDDEN_SIZE = 32  # tests/unit/integrations/test_trl.py's model
 
@@ -88,7 +89,10 @@ def _train_under(offloader):
 
 
 def _hidden_states_deepspeed_finds_without_zero():
-    """Marked and found (``skipped_marked_tensors`` on CPU) by DeepSpeed's offloader in one plain forward and backward."""
+    """(marked, found) hidden states of DeepSpeed's offloader in one forward and backward without ZeRO.
+
+    On CPU a marked tensor that reaches its pack hook is counted as skipped.
+    """
     import torch
     from deepspeed.runtime.activation_checkpointing.offload_activations import CheckpointHiddenStatesOffload
     from tests.unit.integrations.test_trl import VOCAB, _peft_model
