@@ -4,8 +4,8 @@ With a PEFT policy and no reference model, TRL computes the reference log-probs 
 model and its adapter disabled: each step runs two forwards of the one DeepSpeed engine (the
 policy's, checkpointed and with grad; the reference's, under ``no_grad`` inside
 ``disable_adapter``) before the one backward. TRL forces ``use_reentrant=True`` there as in SFT;
-the script sets non-reentrant checkpointing back (``keep_non_reentrant_checkpointing``,
-``--trl-default`` skips that). Same model, launchers and options as ``trl_sft_lora.py``; the
+the script keeps non-reentrant checkpointing with ``KeepNonReentrantCheckpointing``
+(``--trl-default`` leaves it out). Same model, launchers and options as ``trl_sft_lora.py``; the
 preference data is synthetic: the chosen completion continues the prompt's count, the rejected one
 counts down. On CPU:
 
@@ -18,7 +18,7 @@ import tempfile
 from hf_trainer_lora import argument_parser, build_model, check_world_size
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
-from trl_sft_lora import build_tokenizer, keep_non_reentrant_checkpointing
+from trl_sft_lora import build_tokenizer, trl_callbacks
 
 SPECIAL_TOKENS = 2  # t0 pads, t1 ends a completion
 
@@ -76,9 +76,7 @@ def main(argv=None):
     dataset = Dataset.from_dict(preference_pairs(args.batch_size * config.world_size, args.seq_len - completion_len - 1,
                                                  completion_len, args.vocab_size))
     trainer = DPOTrainer(model=build_model(args), ref_model=None, args=config, train_dataset=dataset,
-                         processing_class=build_tokenizer(args.vocab_size))
-    if not (args.trl_default or args.use_reentrant):
-        keep_non_reentrant_checkpointing(trainer)
+                         processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
     train_with_probe(trainer, args.summary)
 
 

@@ -3,8 +3,8 @@
 Between optimizer steps the trainer samples completions from the policy itself (``model.generate``
 on the ZeRO-3 engine, which TRL runs with all params gathered: ``ds3_gather_for_generation``),
 scores them with a Python reward function and trains on them; no vLLM, so it runs on CPU. TRL
-forces ``use_reentrant=True`` here as in SFT; the script sets non-reentrant checkpointing back
-(``keep_non_reentrant_checkpointing``, ``--trl-default`` skips that). Same model, launchers and
+forces ``use_reentrant=True`` here as in SFT; the script keeps non-reentrant checkpointing with
+``KeepNonReentrantCheckpointing`` (``--trl-default`` leaves it out). Same model, launchers and
 options as ``trl_sft_lora.py``; the reward is the share of even-numbered words in a completion. On CPU:
 
     DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate_zero3.yaml \\
@@ -17,7 +17,7 @@ from hf_trainer_lora import argument_parser, build_model, check_world_size
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 from trl_dpo_lora import counting_text
-from trl_sft_lora import build_tokenizer, keep_non_reentrant_checkpointing
+from trl_sft_lora import build_tokenizer, trl_callbacks
 
 
 def even_words(completions, **kwargs):
@@ -69,9 +69,7 @@ def main(argv=None):
     prompts = [counting_text(range(7 * index, 7 * index + prompt_len), args.vocab_size) for index in range(args.steps * 4)]
     trainer = GRPOTrainer(model=build_model(args), reward_funcs=even_words, args=config,
                           train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          processing_class=build_tokenizer(args.vocab_size))
-    if not (args.trl_default or args.use_reentrant):
-        keep_non_reentrant_checkpointing(trainer)
+                          processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
     train_with_probe(trainer, args.summary)
 
 

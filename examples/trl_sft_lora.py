@@ -2,9 +2,11 @@
 
 TRL forces ``use_reentrant=True`` when PEFT, ZeRO-3 and gradient checkpointing meet, because stock
 DeepSpeed used to crash there (``CheckpointError``). With the fork installed that crash is gone, so
-this script sets non-reentrant checkpointing back after building the trainer and before
-``train()``, which is when the Trainer enables checkpointing on the model
-(:func:`keep_non_reentrant_checkpointing`). ``--trl-default`` skips that, to compare.
+the script hands the trainer ``zero3_ac.integrations.trl.KeepNonReentrantCheckpointing``, which
+keeps the config's non-reentrant checkpointing (docs/clients.md). ``--trl-default`` leaves it out, to compare.
+
+``--offload-activations trl|deepspeed|transformers`` offloads activations to host memory on GPUs
+(``activation_offload.py``).
 
 Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.md), e.g. on CPU:
 
@@ -14,16 +16,16 @@ Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.
 
 import tempfile
 
+import activation_offload
 from hf_trainer_lora import RepeatingSequences, argument_parser, build_model, check_world_size
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 
 
-def keep_non_reentrant_checkpointing(trainer):
-    """Undo TRL's ``use_reentrant=True`` for PEFT + ZeRO-3; call it between ``SFTTrainer(...)`` and ``train()``."""
-    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):  # new name, old alias
-        if hasattr(trainer.args, name):
-            setattr(trainer.args, name, {**(getattr(trainer.args, name) or {}), "use_reentrant": False})
+def trl_callbacks(args, config):
+    """The callbacks that keep the config's checkpointing, unless ``--trl-default`` asks for TRL's choice."""
+    from zero3_ac.integrations.trl import KeepNonReentrantCheckpointing
+    return [] if args.trl_default else [KeepNonReentrantCheckpointing(config)]
 
 
 def build_tokenizer(vocab_size):
@@ -41,6 +43,7 @@ def build_tokenizer(vocab_size):
 
 def sft_config(args):
     from trl import SFTConfig
+    offload, offload_checkpointing_kwargs = activation_offload.config_changes(args.offload_activations)
     return SFTConfig(
         output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl_sft_lora_"),
         deepspeed=args.deepspeed,
@@ -52,13 +55,14 @@ def sft_config(args):
         bf16=args.bf16,
         warmup_steps=0,
         gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
+        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant, **offload_checkpointing_kwargs},
         max_length=args.seq_len,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         seed=args.seed,
+        **offload,
     )
 
 
@@ -67,15 +71,17 @@ def main(argv=None):
     from trl import SFTTrainer
     parser = argument_parser(__doc__)
     parser.add_argument("--trl-default", action="store_true", help="keep TRL's forced use_reentrant=True")
+    parser.add_argument("--offload-activations", choices=activation_offload.CHOICES, default=None,
+                        help="offload activations to host memory (GPUs): activation_offload.py")
     args = parser.parse_args(argv)
     config = sft_config(args)
     check_world_size(config)
     samples = RepeatingSequences(args.batch_size * config.world_size, args.seq_len, args.vocab_size)
     dataset = Dataset.from_dict({"input_ids": [samples[i]["input_ids"].tolist() for i in range(len(samples))]})
-    trainer = SFTTrainer(model=build_model(args), args=config, train_dataset=dataset,
-                         processing_class=build_tokenizer(args.vocab_size))
-    if not (args.trl_default or args.use_reentrant):
-        keep_non_reentrant_checkpointing(trainer)
+    trainer_class = activation_offload.offloading_trainer(SFTTrainer, args.offload_activations) \
+        if args.offload_activations else SFTTrainer
+    trainer = trainer_class(model=build_model(args), args=config, train_dataset=dataset,
+                            processing_class=build_tokenizer(args.vocab_size), callbacks=trl_callbacks(args, config))
     train_with_probe(trainer, args.summary)
 
 

@@ -28,6 +28,10 @@ def pytest_configure(config):
         "markers", "stock_fails: documents that the test fails against stock DeepSpeed (--stock); no effect")
     if config.getoption("--stock"):
         os.environ["ZERO3_AC_DISABLE"] = "1"
+    # Nothing is downloaded, nothing sent (TRL's trainers start a telemetry thread otherwise); set
+    # before any worker pool exists, so that the workers inherit it.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
 def pytest_collection_modifyitems(config, items):

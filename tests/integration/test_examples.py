@@ -62,12 +62,17 @@ def launch(launcher, example, summary_dir, *args, ds_config=DS_CONFIG, **env):
         result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
     finally:
         _remove_shm_buffers(port)
+    return result, read_summaries(summary_dir)
+
+
+def read_summaries(summary_dir):
+    """The ``rank<N>.json`` files an example's ranks wrote (examples/lifecycle_probe.py), by rank."""
     summaries = {}
     for path in glob.glob(os.path.join(summary_dir, "rank*.json")):
         with open(path) as summary:
             data = json.load(summary)
         summaries[data["rank"]] = data
-    return result, summaries
+    return summaries
 
 
 def _remove_shm_buffers(port):

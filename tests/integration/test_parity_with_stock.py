@@ -12,6 +12,9 @@ no frozen re-gather, nothing released by the safety net), and log what stock Dee
 same script. Stock is the reference where it runs that script: 0.19.3+. Earlier releases crash
 under non-reentrant checkpointing with frozen params (CheckpointError), so there the reference is
 stock with reentrant checkpointing: the same forward and backward maths, recomputed the other way.
+The TRL examples keep non-reentrant checkpointing with ``KeepNonReentrantCheckpointing``, which
+refuses to run on stock DeepSpeed; their reference is stock as TRL runs it (``--trl-default``:
+TRL's forced ``use_reentrant=True``), on every release.
 """
 
 import math
@@ -28,16 +31,22 @@ ATOL = 1e-6
 STOCK_REFERENCE_REENTRANT = STOCK_CRASHES
 
 
-def stock_reference(example, tmp_path, *args):
-    """The example on stock DeepSpeed (``ZERO3_AC_DISABLE=1``): non-reentrant if stock runs it, else reentrant."""
-    reentrant = ("--use-reentrant",) if STOCK_REFERENCE_REENTRANT else ()
-    result, summaries = launch("accelerate", example, tmp_path / "stock", *args, *reentrant, ZERO3_AC_DISABLE="1")
+def stock_reference(example, tmp_path, *args, trl=False):
+    """The example on stock DeepSpeed (``ZERO3_AC_DISABLE=1``).
+
+    Non-reentrant if stock runs it, else reentrant; a TRL example (``trl``) as TRL runs it on stock: reentrant.
+    """
+    if trl:
+        mode, reentrant = ("--trl-default",), True
+    else:
+        mode, reentrant = ("--use-reentrant",) if STOCK_REFERENCE_REENTRANT else (), STOCK_REFERENCE_REENTRANT
+    result, summaries = launch("accelerate", example, tmp_path / "stock", *args, *mode, ZERO3_AC_DISABLE="1")
     assert_exited_cleanly(result)
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     for rank, summary in summaries.items():
         context = f"stock rank {rank}: {summary}"
         assert summary["error"] is None and not summary["fork_active"] and not summary["engine_uses_fork"], context
-        assert summary["use_reentrant"] is STOCK_REFERENCE_REENTRANT, context
+        assert summary["use_reentrant"] is reentrant, context
         assert len(summary["logs"]) == STEPS, context
     return summaries
 
@@ -52,9 +61,9 @@ def assert_same_logs(fork, stock, keys):
                     f"fork: {fork[rank]['logs']}\nstock: {stock[rank]['logs']}")
 
 
-def run_fork_and_stock(example, tmp_path, *args, loss_decreases=True):
+def run_fork_and_stock(example, tmp_path, *args, loss_decreases=True, trl=False):
     fork = launch("accelerate", example, tmp_path / "fork", *args)
-    stock = stock_reference(example, tmp_path, *args)
+    stock = stock_reference(example, tmp_path, *args, trl=trl)
     assert_trained_with_the_fork(*fork, loss_decreases=loss_decreases)
     return fork[1], stock
 
@@ -62,7 +71,7 @@ def run_fork_and_stock(example, tmp_path, *args, loss_decreases=True):
 @pytest.mark.stock_fails
 def test_trl_dpo_with_a_peft_policy_and_no_reference_model_trains_as_on_stock(tmp_path):
     pytest.importorskip("trl")
-    fork, stock = run_fork_and_stock("trl_dpo_lora.py", tmp_path)
+    fork, stock = run_fork_and_stock("trl_dpo_lora.py", tmp_path, trl=True)
     for summary in fork.values():  # the first step compares the policy with itself (LoRA B = 0): log 2
         assert math.isclose(summary["losses"][0], math.log(2), rel_tol=1e-6), summary
     assert_same_logs(fork, stock, ["loss", "grad_norm", "rewards/chosen", "rewards/rejected"])
@@ -72,7 +81,7 @@ def test_trl_dpo_with_a_peft_policy_and_no_reference_model_trains_as_on_stock(tm
 def test_trl_grpo_generating_between_steps_trains_as_on_stock(tmp_path):
     pytest.importorskip("trl")
     # GRPO's loss is a group-normalised advantage, about 0 at every step: it need not decrease.
-    fork, stock = run_fork_and_stock("trl_grpo_lora.py", tmp_path, loss_decreases=False)
+    fork, stock = run_fork_and_stock("trl_grpo_lora.py", tmp_path, loss_decreases=False, trl=True)
     for summary in fork.values():
         assert all(log["grad_norm"] > 0 and log["completions/mean_length"] > 0 for log in summary["logs"]), summary
     # The rewards score completions sampled from the weights of each step: equal rewards, equal updates.
