@@ -7,8 +7,8 @@ from zero3_ac.version_guard import SUPPORTED_RANGE, UnsupportedDeepSpeedVersion
 
 __version__ = "0.1.0"
 
-__all__ = ["apply", "remove", "is_active", "lifecycle_stats", "set_gather_units", "set_step_logging", "DISABLE_ENV", "STEP_LOG_ENV",
-           "SUPPORTED_RANGE", "UnsupportedDeepSpeedVersion", "__version__"]
+__all__ = ["apply", "remove", "is_active", "lifecycle_stats", "set_gather_units", "set_step_logging", "DISABLE_ENV",
+           "STEP_LOG_ENV", "SUPPORTED_RANGE", "UnsupportedDeepSpeedVersion", "__version__"]
 
 
 def lifecycle_stats(engine):
