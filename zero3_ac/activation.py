@@ -14,6 +14,7 @@ DISABLE_ENV = "ZERO3_AC_DISABLE"
 
 _lock = threading.Lock()
 _originals = {}
+_INHERITED = object()  # a patched name the owner did not define itself (it came from a base class)
 
 
 def disabled_by_env() -> bool:
@@ -35,7 +36,6 @@ def _wrapping(owner, name, fork_function):
 
 def _patches():
     from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero import partition_parameters
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -49,7 +49,7 @@ def _patches():
         fork.register_deepspeed_module(self, module)
 
     patches = [
-        (partition_parameters, "zero3_linear_wrap", fork_linear.zero3_linear_wrap),
+        (LinearFunctionForZeroStage3, "apply", classmethod(fork_linear.apply)),
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
@@ -81,7 +81,7 @@ def apply() -> None:
             return
         patches = _patches()
         for owner, name, replacement in patches:
-            _originals[(owner, name)] = owner.__dict__[name]
+            _originals[(owner, name)] = owner.__dict__.get(name, _INHERITED)
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
         existing = _existing_engines()
@@ -96,7 +96,10 @@ def remove() -> None:
     """Restore DeepSpeed's own methods exactly. Engines created meanwhile keep the fork's hooks."""
     with _lock:
         for (owner, name), original in _originals.items():
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         _originals.clear()
 
 

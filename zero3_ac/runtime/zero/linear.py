@@ -31,8 +31,9 @@ Note: [torch's own linear inside a checkpoint]
     - the backward reads the values gathered for it and never gathers again.
     The choice depends only on where the call runs, so a region's forward and its recompute take
     the same path and save the same tensors. Outside checkpointed regions (a forward with grad
-    and no checkpoint) ZeRO-3's Function is kept. DeepSpeed 0.19.3+ installs the wrapper as
-    ``torch.nn.functional.linear`` at ``initialize``; earlier releases inside ``zero.Init``.
+    and no checkpoint) ZeRO-3's Function is kept. The branch sits in the Function's ``apply``, so
+    ``zero3_linear_wrap`` (which DeepSpeed 0.19.3+ installs as ``torch.nn.functional.linear`` at
+    ``initialize``, earlier releases inside ``zero.Init``) and ``LinearModuleForZeroStage3`` both take it.
 """
 
 import torch
@@ -52,11 +53,15 @@ def forward(input, weight, bias=None):
     return flat.view(*input.shape[:-1], weight.shape[0])
 
 
-def zero3_linear_wrap(input, weight, bias=None):
-    """Replaces upstream ``zero3_linear_wrap`` (see [torch's own linear inside a checkpoint])."""
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__
+
+
+def apply(linear_function, input, weight, bias=None):
+    """``LinearFunctionForZeroStage3.apply`` (a classmethod): torch's linear inside a checkpointed region,
+    ZeRO-3's Function elsewhere (see [torch's own linear inside a checkpoint])."""
     if autograd_context.inside_checkpoint() or not torch.is_grad_enabled():
         return _torch_linear()(input, weight, bias)
-    return upstream.LinearFunctionForZeroStage3.apply(input, weight, bias)
+    return _FUNCTION_APPLY(linear_function, input, weight, bias)
 
 
 def _torch_linear():
