@@ -78,25 +78,29 @@ def build_model(args):
     return get_peft_model(LlamaForCausalLM(llama_config(args)), lora_config(args))
 
 
+def trainer_kwargs(args, prefix, **checkpointing_kwargs):
+    """The arguments every example gives its Trainer config (``TrainingArguments`` or a TRL config)."""
+    return dict(output_dir=args.output_dir or tempfile.mkdtemp(prefix=prefix),
+                deepspeed=args.deepspeed,
+                ddp_backend=args.ddp_backend,
+                max_steps=args.steps,
+                per_device_train_batch_size=args.batch_size,
+                learning_rate=args.lr,
+                lr_scheduler_type="constant",
+                bf16=args.bf16,
+                warmup_steps=0,
+                gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant, **checkpointing_kwargs},
+                logging_steps=1,
+                save_strategy="no",
+                report_to="none",
+                disable_tqdm=True,
+                seed=args.seed)
+
+
 def training_arguments(args):
     from transformers import TrainingArguments
-    return TrainingArguments(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="hf_trainer_lora_"),
-        deepspeed=args.deepspeed,
-        ddp_backend=args.ddp_backend,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        bf16=args.bf16,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=args.seed,
-    )
+    return TrainingArguments(**trainer_kwargs(args, "hf_trainer_lora_"))
 
 
 def check_world_size(training_args):

@@ -13,9 +13,8 @@ counts down. On CPU:
         examples/trl_dpo_lora.py --ddp-backend gloo
 """
 
-import tempfile
 
-from hf_trainer_lora import argument_parser, build_model, check_world_size
+from hf_trainer_lora import argument_parser, build_model, check_world_size, trainer_kwargs
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 from trl_sft_lora import build_tokenizer, trl_callbacks
@@ -41,26 +40,7 @@ def preference_pairs(samples, prompt_len, completion_len, vocab_size):
 
 def dpo_config(args):
     from trl import DPOConfig
-    return DPOConfig(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl_dpo_lora_"),
-        deepspeed=args.deepspeed,
-        ddp_backend=args.ddp_backend,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        bf16=args.bf16,
-        warmup_steps=0,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
-        max_length=args.seq_len,
-        beta=args.beta,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=args.seed,
-    )
+    return DPOConfig(**trainer_kwargs(args, "trl_dpo_lora_"), max_length=args.seq_len, beta=args.beta)
 
 
 def main(argv=None):

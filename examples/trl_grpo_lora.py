@@ -11,9 +11,8 @@ options as ``trl_sft_lora.py``; the reward is the share of even-numbered words i
         examples/trl_grpo_lora.py --ddp-backend gloo
 """
 
-import tempfile
 
-from hf_trainer_lora import argument_parser, build_model, check_world_size
+from hf_trainer_lora import argument_parser, build_model, check_world_size, trainer_kwargs
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 from trl_dpo_lora import counting_text
@@ -31,27 +30,10 @@ def even_words(completions, **kwargs):
 
 def grpo_config(args):
     from trl import GRPOConfig
-    return GRPOConfig(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl_grpo_lora_"),
-        deepspeed=args.deepspeed,
-        ddp_backend=args.ddp_backend,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        num_generations=args.num_generations,
-        max_completion_length=args.completion_len,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        bf16=args.bf16,
-        warmup_steps=0,
-        beta=args.beta,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant},
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=args.seed,
-    )
+    return GRPOConfig(**trainer_kwargs(args, "trl_grpo_lora_"),
+                      num_generations=args.num_generations,
+                      max_completion_length=args.completion_len,
+                      beta=args.beta)
 
 
 def main(argv=None):

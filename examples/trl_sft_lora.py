@@ -14,10 +14,9 @@ Same model, data, launchers and options as ``hf_trainer_lora.py`` (docs/clients.
         examples/trl_sft_lora.py --ddp-backend gloo
 """
 
-import tempfile
 
 import activation_offload
-from hf_trainer_lora import RepeatingSequences, argument_parser, build_model, check_world_size
+from hf_trainer_lora import RepeatingSequences, argument_parser, build_model, check_world_size, trainer_kwargs
 from clean_exit import process_groups_destroyed_at_exit
 from lifecycle_probe import train_with_probe
 
@@ -44,26 +43,9 @@ def build_tokenizer(vocab_size):
 def sft_config(args):
     from trl import SFTConfig
     offload, offload_checkpointing_kwargs = activation_offload.config_changes(args.offload_activations)
-    return SFTConfig(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="trl_sft_lora_"),
-        deepspeed=args.deepspeed,
-        ddp_backend=args.ddp_backend,
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        bf16=args.bf16,
-        warmup_steps=0,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": args.use_reentrant, **offload_checkpointing_kwargs},
-        max_length=args.seq_len,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=args.seed,
-        **offload,
-    )
+    return SFTConfig(**trainer_kwargs(args, "trl_sft_lora_", **offload_checkpointing_kwargs),
+                     max_length=args.seq_len,
+                     **offload)
 
 
 def main(argv=None):

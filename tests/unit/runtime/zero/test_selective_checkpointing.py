@@ -6,7 +6,6 @@ process. The blocks get 3-d inputs (batch, sequence, features) and a policy that
 and the updates must match plain PyTorch's, computed with torch's own linear.
 """
 
-import contextlib
 import functools
 
 import pytest
@@ -16,7 +15,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.zero_case import (DIM, assert_close_deltas, assert_fork_state, assert_nothing_drained,
                                                assert_partitioned, make_engine, micro_batches, named_values,
-                                               reference_deltas, zero_config)
+                                               reference_deltas, torch_linear, zero_config)
 
 SEQUENCE = 3
 GAS = 2
@@ -55,17 +54,6 @@ class SelectiveStack(torch.nn.Module):
             h = checkpoint(block, h, use_reentrant=False,
                            context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls))
         return self.head(h).pow(2).mean()
-
-
-@contextlib.contextmanager
-def torch_linear():
-    """torch's own linear, whatever ZeRO-3 installed as ``torch.nn.functional.linear`` in this process."""
-    installed = torch.nn.functional.linear
-    torch.nn.functional.linear = torch._C._nn.linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = installed
 
 
 def build(frozen_up, zero_init, config):

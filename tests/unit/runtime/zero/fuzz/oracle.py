@@ -31,6 +31,7 @@ import torch
 
 from tests.unit.runtime.zero.fuzz import model as fuzz_model
 from tests.unit.runtime.zero.fuzz.spec import Example, blocks_of
+from tests.unit.runtime.zero.zero_case import torch_linear
 
 RTOL, ATOL = 1e-4, 1e-6
 LR = 0.1
@@ -69,17 +70,6 @@ def _input(x, example):
 def _forward_context(example):
     from torch.utils.checkpoint import set_checkpoint_early_stop
     return set_checkpoint_early_stop(example.schedule.early_stop)
-
-
-@contextlib.contextmanager
-def torch_linear():
-    """torch's own linear, whatever ZeRO-3 installed as ``torch.nn.functional.linear`` in this process."""
-    installed = torch.nn.functional.linear
-    torch.nn.functional.linear = torch._C._nn.linear
-    try:
-        yield
-    finally:
-        torch.nn.functional.linear = installed
 
 
 def _trainable(module):
