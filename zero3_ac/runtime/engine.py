@@ -1,4 +1,5 @@
-"""Setups of ``DeepSpeedEngine`` that the per-invocation lifecycle refuses: extends upstream ``engine.py``."""
+"""Setups of ``DeepSpeedEngine`` that the per-invocation lifecycle refuses, and the config it reads:
+extends upstream ``engine.py``."""
 
 from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
 from zero3_ac.utils.z3_leaf_module import remember_config_setting
