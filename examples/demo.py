@@ -59,7 +59,11 @@ def run_rank(rank, world_size, port, mode, steps, queue):
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # As examples/ds_config_zero3.json: without these a model this small stays gathered from its
+        # first forward on (persistent or kept for reuse), and ZeRO-3 never releases and gathers it
+        # again, which is what a model far larger than the thresholds goes through.
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                              "stage3_prefetch_bucket_size": 0},
     }
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
