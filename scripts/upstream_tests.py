@@ -240,6 +240,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not args.source:
         parser.error("no DeepSpeed source: pass --source or set DEEPSPEED_SRC (the PyPI sdist has no tests/)")
+    args.out_dir = os.path.abspath(args.out_dir)  # pytest runs in the temporary copy
     with tempfile.TemporaryDirectory(prefix="upstream-tests-") as tmp:
         tests = extract(os.path.abspath(args.source), args.rev, tmp)
         patch_for_cpu(tests)

@@ -37,9 +37,11 @@ def _wrapping(owner, name, fork_function):
 def _patches():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
+    from deepspeed.runtime.zero import parameter_offload as stock_parameter_offload
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
+    from zero3_ac.runtime.zero import borrowed_params
     from zero3_ac.runtime.zero import linear as fork_linear
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
@@ -51,6 +53,7 @@ def _patches():
     patches = [
         (LinearFunctionForZeroStage3, "apply", classmethod(fork_linear.apply)),
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
+        (stock_parameter_offload, "register_external_parameter", borrowed_params.register_external_parameter),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),

@@ -85,3 +85,45 @@ def outside_selective_checkpoint():
 def queue_end_of_backward_callback(callback) -> None:
     """Run ``callback`` when the graph task of the backward now executing finishes."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# Note: [Which region a read belongs to, and when its recompute is done]
+#     torch's non-reentrant checkpoint runs a region's forward under a pack hook that closes over
+#     the region's ``_CheckpointFrame``; the frame records, per graph task, whether the region has
+#     been recomputed (``is_recomputed``), and lives as long as the region's saved tensors do. A
+#     recompute re-runs the region's code; the tensors its ops save wait in the frame
+#     (``recomputed``, frozen params as themselves, undetached) until the op's backward unpacks
+#     them. A tensor saved outside any region, or a view of it (a linear saves ``weight.t()``),
+#     holds a C++ reference to its TensorImpl instead, which ``Tensor._use_count`` counts; Python
+#     references to the tensor object do not count there. So a param is still needed by a region's
+#     ops exactly while the frame holds it or its TensorImpl has a reference beyond its own object.
+#     Anything else (DeepSpeed's own checkpoint, a user's saved-tensors hooks inside the region,
+#     a torch without these internals) is not recognised, and callers must then assume the worst.
+_CHECKPOINT_FORWARD_PACK_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+
+
+def running_checkpoint_region():
+    """The frame of the torch non-reentrant checkpoint whose forward is running, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None or getattr(hooks[0], "__qualname__", "") != _CHECKPOINT_FORWARD_PACK_HOOK:
+        return None
+    cells = dict(zip(hooks[0].__code__.co_freevars, hooks[0].__closure__ or ()))
+    frame = cells["frame"].cell_contents if "frame" in cells else None
+    return frame if isinstance(getattr(frame, "is_recomputed", None), dict) else None
+
+
+def recompute_done_and_consumed(frame, tensor) -> bool:
+    """Whether the backward now executing has recomputed the region of ``frame``, and has unpacked
+    every tensor of it that is ``tensor`` itself."""
+    gid = graph_task_id()
+    if not frame.is_recomputed.get(gid, False):
+        return False
+    waiting = getattr(frame, "recomputed", {}).get(gid)
+    return not waiting or all(saved is not tensor for saved in waiting.values())
+
+
+def referenced_only_by_itself(tensor) -> bool:
+    """Whether nothing but its own Python object references the tensor (no saved tensor, no view);
+    False where torch cannot tell."""
+    use_count = getattr(tensor, "_use_count", None)
+    return use_count is not None and use_count() == 1

@@ -41,6 +41,16 @@ Note: [Several forwards before a backward]
     still reachable (its holds are dropped; it gathers when it opens). The driver retires a
     pending slot once its graph is gone (``retire_unreachable``).
 
+Note: [Borrows a recompute re-reads]
+    A module whose forward reads another module's param *borrows* it (ZeRO-3's getter registers
+    it as the module's external param), and its backward slot holds it like its own: the module's
+    code may use it in an op whose backward comes after the owner's. The driver may know more:
+    a borrow read only inside a region whose recompute reads it again is needed, in the backward,
+    only by what that recompute records (see parameter_offload's [Borrows inside a checkpointed
+    region]). Such a hold is *lent*: it ends as soon as the driver says its scope is over, which
+    the lifecycle asks at every slot close (``end_borrows``), and at the latest when the slot
+    closes. Everything else about the slot is unchanged.
+
 Note: [Aborted forwards]
     A forward whose post-hook never runs (checkpoint early stop raises inside the recompute, or an
     exception) leaves its invocation on the call stack. Any backward event proves that no forward
@@ -79,6 +89,7 @@ class Invocation:
     stack_depth: int = -1
     context: object = None  # the driver's own data for this invocation; opaque here
     fetched_params: object = None  # the driver's list of the params it fetched for this invocation; opaque here
+    lent: Dict[Hashable, object] = field(default_factory=dict)  # param -> the driver's scope of the borrow
 
     def __repr__(self):
         return f"Invocation({self.id}, {self.module!r}, {self.phase.value}, {self.state.value})"
@@ -126,6 +137,7 @@ class InvocationLifecycle:
         self._batch = 0
         self._latest_recompute_batch = 0
         self._recompute_since_backward = False
+        self._lending: Set[Invocation] = set()  # live slots with lent holds
 
     # ------------------------------------------------------------------ queries
     def holders(self, param: Hashable) -> Set[int]:
@@ -168,6 +180,7 @@ class InvocationLifecycle:
             "slot_modules": len(self._slots_by_module),
             "handoffs": len(self._handoffs),
             "unconsumed_replays": len(self._unconsumed_replays),
+            "lending_slots": len(self._lending),
         }
 
     # ------------------------------------------------------------------ forward side
@@ -219,6 +232,35 @@ class InvocationLifecycle:
             return []
         freed = self._pop_call_stack_to(inv)
         freed.extend(self._retire_forward(inv, own_slot))
+        return freed
+
+    def lend(self, slot: Invocation, scopes: Dict[Hashable, object]) -> None:
+        """Mark the slot's holds of these params, once it has them, as borrows that may end before
+        the slot closes (see [Borrows a recompute re-reads]); ``scopes`` is the driver's data."""
+        if slot.phase is not Phase.BACKWARD or slot.state is State.CLOSED:
+            raise ValueError(f"{slot} is not a live backward slot")
+        if scopes:
+            slot.lent.update(scopes)
+            self._lending.add(slot)
+
+    def lending(self) -> bool:
+        return bool(self._lending)
+
+    def end_borrows(self, is_over: Callable[[Hashable, object], bool]) -> List[Hashable]:
+        """End the lent holds of open slots whose scope ``is_over``; returns the params left unheld."""
+        freed: List[Hashable] = []
+        for slot in list(self._lending):
+            if slot.state is not State.OPEN:
+                continue
+            for param, scope in list(slot.lent.items()):
+                if param in slot.holds and is_over(param, scope):
+                    del slot.lent[param]
+                    slot.holds.discard(param)
+                    self._handoffs.pop((slot.id, param), None)
+                    if self._unhold(slot.id, param):
+                        freed.append(param)
+            if not slot.lent:
+                self._lending.discard(slot)
         return freed
 
     # ------------------------------------------------------------------ backward side
@@ -384,6 +426,8 @@ class InvocationLifecycle:
 
     def _retire(self, inv: Invocation) -> List[Hashable]:
         freed = self._drop_holds(inv)
+        inv.lent.clear()
+        self._lending.discard(inv)
         inv.state = State.CLOSED
         self._live.pop(inv.id, None)
         if inv.phase is Phase.BACKWARD:

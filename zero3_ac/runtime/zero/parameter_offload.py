@@ -60,6 +60,7 @@ from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 from deepspeed.utils import logger, z3_leaf_module
 
 from zero3_ac.runtime.zero import autograd_context
+from zero3_ac.runtime.zero.borrowed_params import BorrowReads, report_reads_of, scope_is_over
 from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
 from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
 from zero3_ac.utils.z3_leaf_module import is_gather_unit, mark_gather_units
@@ -198,6 +199,7 @@ class ModuleInvocationHooks:
         self._grad_hooks = {}  # trainable param -> its post-accumulate-grad hook handle
         self._trainable_by_module = {}
         self._params_under = {}  # module -> the params of its subtree, as of the last registration
+        self.borrow_reads = BorrowReads()
         self.on_aborted_backward = None
 
     def bookkeeping_size(self) -> dict:
@@ -232,6 +234,7 @@ class ModuleInvocationHooks:
         while stack:
             module = stack.pop()
             module.ds_id = next(ids)
+            self.borrow_reads.attach(module)
             leaf = z3_leaf_module(module)
             if leaf and not is_gather_unit(module):
                 for param in module.parameters():
@@ -299,11 +302,15 @@ class ModuleInvocationHooks:
         if invocation is None:
             return None
         del upstream.FWD_MODULE_STACK[invocation.stack_depth:]
-        self.params.hold_new_external_params(module, invocation)
+        for param in self.params.hold_new_external_params(module, invocation):
+            if not param.requires_grad:
+                self._report_reads_of_owner(param)
         self._register_external_outputs(module, output)
         slot = None
         if not invocation.replay and torch.is_grad_enabled() and _any_requires_grad(output):
             slot = self._new_slot(module, invocation.context)
+            if slot is not None and getattr(module, "_external_params", None):
+                self._lend_borrows(module, slot)
         if slot is not None:
             wrapped_by_id = {}
             output = apply_to_tensors_only(lambda tensor: self._open_slot_on_grad(slot, tensor, wrapped_by_id),
@@ -359,6 +366,24 @@ class ModuleInvocationHooks:
             self._trainable_by_module[module] = trainable
         return trainable
 
+    def _report_reads_of_owner(self, param):
+        """A frozen param became borrowed: its owner's dict reports reads from now on (see
+        borrowed_params' [Borrows inside a checkpointed region]); once per param."""
+        for owner in self.offload.module.modules():
+            if any(own is param for own in owner._parameters.values()):
+                report_reads_of(owner)
+                return
+
+    def _lend_borrows(self, module, slot):
+        """The borrows of this call that may end before its slot closes."""
+        scopes = {}
+        for param in module._external_params.values():
+            scope = self.borrow_reads.scope(param)
+            if scope is not None:
+                scopes[param] = scope
+        if scopes:
+            self.lifecycle.lend(slot, scopes)
+
     def _register_external_outputs(self, module, output):
         """Params a module returns are external to it: its caller owns them (upstream's rule)."""
         stack = upstream.FWD_MODULE_STACK
@@ -392,6 +417,8 @@ class ModuleInvocationHooks:
         self._reap()
         self.params.release(self.lifecycle.close_backward(slot), slot.module)
         self._forget_slot(slot)
+        if self.lifecycle.lending():
+            self.params.release(self.lifecycle.end_borrows(scope_is_over))
 
     def _on_param_grad(self, param):
         """A trainable param has its gradient: close the open slots that waited for it last.
@@ -469,6 +496,7 @@ class ModuleInvocationHooks:
         self.accounting.start_step()
 
     def _drain(self, where, keep_reachable=True):
+        self.borrow_reads.clear()
         self._reap()
         self._retire_unreachable()
         reachable = (lambda slot: slot.context.reachable()) if keep_reachable else (lambda slot: False)

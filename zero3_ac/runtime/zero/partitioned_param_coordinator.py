@@ -180,7 +180,7 @@ class InvocationParams:
         invocation.fetched_params = params
         self.tap.held(invocation.id, params)
 
-    def hold_new_external_params(self, module, invocation) -> None:
+    def hold_new_external_params(self, module, invocation) -> list:
         """At a forward call's end: hold the params that became the module's external params during
         the call, so that they are released with the call's other params.
 
@@ -189,17 +189,18 @@ class InvocationParams:
             ``weight``) makes ZeRO-3's parameter getter gather it on the spot and register it as an
             external param of the module on top of DeepSpeed's module stack. Stock releases it with
             that module's params at the module's end; the fork releases only what invocations hold,
-            so the call that was running holds it too.
+            so the call that was running holds it too. Returns those params.
         """
         params = module_params(module)
         if params is invocation.fetched_params:
-            return
+            return []
         new = [param for param in params if param not in invocation.holds]
         if new:
             for param in new:
                 param.ds_active_sub_modules.discard(module.ds_id)
             self.lifecycle.hold(invocation, new)
             self.tap.held(invocation.id, new)
+        return new
 
     def release(self, params, module=None) -> None:
         """Release params the lifecycle freed, under upstream's persistence and reuse rules.

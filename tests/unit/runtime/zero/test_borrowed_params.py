@@ -3,14 +3,13 @@
 Reading ``self.child.weight`` inside a module's forward while the param is partitioned makes
 ZeRO-3's parameter getter gather it and register it as an external param of that module: from then
 on the module's own invocations hold it, in forward and in backward, because the module's code may
-use it in an op of its own. That use can come after the child's backward is done, inside a
-checkpointed function whose recompute reads the param again (outside the engine forward, where the
-getter no longer gathers). The case here trains only because the borrowing module's backward slot
-keeps the param until its own backward ends; releasing it at the child's backward, which upstream's
-two xfail prompt-release tests ask for (their probes borrow the param the same way), would make the
-second region's recompute read a released param.
+use it in an op of its own, also after the child's backward is done. Where every read of a frozen
+borrowed param is inside torch non-reentrant checkpoint regions, the borrow ends once those regions
+have been recomputed and nothing references the param (borrowed_params' [Borrows inside a
+checkpointed region]): upstream's two xfail prompt-release tests read the param that way.
 """
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -21,18 +20,24 @@ from tests.unit.runtime.zero.zero_case import DIM
 WORLD_SIZE = 2
 
 
+def _status(param):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    return getattr(param, "ds_status", ZeroParamStatus.AVAILABLE)
+
+
 class _AfterBackward(torch.autograd.Function):
-    """Identity; logs when its backward runs (the backward of what comes after it is done)."""
+    """Identity; logs when its backward runs (the backward of what comes after it is done), with
+    the status of ``param`` if one is given."""
 
     @staticmethod
-    def forward(ctx, tensor, log, tag):
-        ctx.log, ctx.tag = log, tag
+    def forward(ctx, tensor, log, tag, param=None):
+        ctx.log, ctx.tag, ctx.param = log, tag, param
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.log.append((ctx.tag, None))
-        return grad, None, None
+        ctx.log.append((ctx.tag, None if ctx.param is None else _status(ctx.param)))
+        return grad, None, None, None
 
 
 class BorrowingBlock(torch.nn.Module):
@@ -47,11 +52,11 @@ class BorrowingBlock(torch.nn.Module):
         self.head = torch.nn.Linear(dim, dim, bias=False)
 
     def forward(self, x):
-        weight = self.child.weight  # borrowed: registered as an external param of this block
+        weight = self.child.weight  # borrowed, read outside any region: the borrow lasts to the block's end
 
         def borrower_region(h):
             if torch._C._current_graph_task_id() != -1:
-                self.log.append(("borrower recompute", getattr(weight, "ds_status", None)))
+                self.log.append(("borrower recompute", _status(weight)))
             return torch.tanh(torch.nn.functional.linear(h, weight)) + self.lora(h)
 
         def owner_region(h):
@@ -74,3 +79,101 @@ def borrowed_case():
 
 def test_borrowed_frozen_param_used_after_its_owners_backward():
     run_distributed(WORLD_SIZE, borrowed_case)
+
+
+# ---------------------------------------------------------------- borrows read only inside a region
+class RegionReaderBlock(torch.nn.Module):
+    """Reads its frozen child's weight inside a checkpointed function (not a module), right before
+    calling the child there; the probe's backward runs right after the child's backward."""
+
+    def __init__(self, log, dim=DIM):
+        super().__init__()
+        self.log = log
+        self.child = torch.nn.Linear(dim, dim)
+        self.child.requires_grad_(False)
+        self.lora = torch.nn.Linear(dim, dim, bias=False)
+        self.head = torch.nn.Linear(dim, dim, bias=False)
+
+    def _region(self, h):
+        probed = _AfterBackward.apply(h, self.log, "child backward done", self.child.weight)
+        return torch.tanh(self.child(probed)) + self.lora(h)
+
+    def forward(self, x):
+        return self.head(checkpoint(self._region, x, use_reentrant=False)).float().pow(2).mean()
+
+
+class NoConsumerReaderBlock(torch.nn.Module):
+    """A frozen embedding with no backward consumer, read again after its call inside a region."""
+
+    def __init__(self, log, dim=DIM, vocab=11):
+        super().__init__()
+        self.log, self.vocab = log, vocab
+        self.embedding = torch.nn.Embedding(vocab, dim)
+        self.embedding.requires_grad_(False)
+        self.projection = torch.nn.Linear(dim, dim)
+
+    def _region(self, x):
+        indices = (x[..., 0].detach().abs() * 7).long() % self.vocab
+        value = self.embedding(indices) + x
+        return self.projection(_AfterBackward.apply(value, self.log, "projection backward done", self.embedding.weight))
+
+    def forward(self, x):
+        return torch.tanh(checkpoint(self._region, x, use_reentrant=False)).float().pow(2).mean()
+
+
+def region_reader_case(block):
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    torch.manual_seed(61)
+    log = []
+
+    def released_at_last_consumer(engine, index):
+        seen = list(log)
+        log.clear()
+        assert seen, "the probe's backward never ran"
+        assert all(status == ZeroParamStatus.NOT_AVAILABLE for _, status in seen), (
+            f"step {index}: the borrowed frozen param stayed gathered after its last consumer: {seen}")
+
+    train_and_check(block(log), steps=3, zero_options=LEAN, after_backward=released_at_last_consumer)
+
+
+@pytest.mark.parametrize("block", [RegionReaderBlock, NoConsumerReaderBlock], ids=["consumer", "no_consumer"])
+def test_borrow_read_only_inside_a_region_ends_at_the_last_consumer(block):
+    """Upstream's two prompt-release tests, in every step (the later ones read the param gathered)."""
+    run_distributed(WORLD_SIZE, region_reader_case, block)
+
+
+class RegionUserBlock(torch.nn.Module):
+    """Reads its frozen child's weight inside checkpointed functions and uses it in ops there: before
+    and after the child's call in the same region, and (``user_region``) in a region before the one
+    that calls the child."""
+
+    def __init__(self, user_region, dim=DIM):
+        super().__init__()
+        self.user_region = user_region
+        self.child = torch.nn.Linear(dim, dim)
+        self.child.requires_grad_(False)
+        self.lora = torch.nn.Linear(dim, dim, bias=False)
+
+    def _user_region(self, h):
+        return torch.tanh(torch.nn.functional.linear(h, self.child.weight)) + self.lora(h)
+
+    def _owner_region(self, h):
+        before = h @ self.child.weight  # saves the param itself (a linear saves a view of it)
+        out = torch.tanh(self.child(torch.tanh(before)))
+        return out + torch.nn.functional.linear(out, self.child.weight)
+
+    def forward(self, x):
+        h = checkpoint(self._user_region, x, use_reentrant=False) if self.user_region else x
+        h = checkpoint(self._owner_region, h, use_reentrant=False)
+        return h.float().pow(2).mean()
+
+
+def region_user_case(user_region, zero_options):
+    torch.manual_seed(62)
+    train_and_check(RegionUserBlock(user_region), steps=3, zero_options=zero_options, check_regather=False)
+
+
+@pytest.mark.parametrize("zero_options", [LEAN, {}], ids=["lean", "default_prefetch"])
+@pytest.mark.parametrize("user_region", [False, True], ids=["one_region", "two_regions"])
+def test_borrow_used_in_ops_inside_regions_lasts_until_their_backward(user_region, zero_options):
+    run_distributed(WORLD_SIZE, region_user_case, user_region, zero_options)

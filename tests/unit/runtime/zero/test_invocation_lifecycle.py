@@ -3,7 +3,7 @@
 The module imports neither torch nor DeepSpeed: modules and params are plain string keys here
 ("m1", "w1"). The rules under test are those of the module's Notes: [Invocations and holds],
 [Backward slots and the ownership map], [Slots that will not open], [Several forwards before a
-backward] and [Aborted forwards], plus the hand-off budget.
+backward], [Borrows a recompute re-reads] and [Aborted forwards], plus the hand-off budget.
 """
 
 import pytest
@@ -742,6 +742,67 @@ def test_close_forward_on_a_backward_slot_raises():
 
 
 # ---------------------------------------------------------------------------------------------
+# [Borrows a recompute re-reads]: lent holds
+
+
+def test_a_lent_hold_ends_when_its_scope_is_over_and_the_param_is_freed_if_unheld():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("borrower")
+    lc.lend(slot, {"w": "region"})
+    lc.open_backward(slot)
+    lc.hold(slot, ["w", "own"])
+    asked = []
+    assert lc.end_borrows(lambda param, scope: asked.append((param, scope)) or False) == []
+    assert asked == [("w", "region")] and slot.holds == {"w", "own"}
+    assert lc.end_borrows(lambda param, scope: True) == ["w"]
+    assert slot.holds == {"own"} and not lc.is_held("w") and not lc.lending()
+    assert lc.close_backward(slot) == ["own"]
+
+
+def test_a_lent_hold_of_a_param_another_invocation_holds_frees_nothing():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("borrower")
+    lc.lend(slot, {"w": None})
+    lc.open_backward(slot)
+    lc.hold(slot, ["w"])
+    owner = lc.new_slot("owner")
+    lc.open_backward(owner)
+    lc.hold(owner, ["w"])
+    assert lc.end_borrows(lambda param, scope: True) == []
+    assert lc.holders("w") == {owner.id}
+    assert lc.close_backward(owner) == ["w"]
+
+
+def test_lent_holds_end_only_in_open_slots_and_go_with_the_slot():
+    lc = InvocationLifecycle()
+    pending = lc.new_slot("borrower")
+    lc.lend(pending, {"w": None})
+    lc.hold(pending, ["w"])  # a hand-off before the slot opens
+    assert lc.end_borrows(lambda param, scope: True) == []
+    assert lc.close_backward(pending) == ["w"]
+    assert not lc.lending() and lc.size()["lending_slots"] == 0
+
+
+def test_a_param_lent_but_not_held_is_not_asked_about():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("borrower")
+    lc.lend(slot, {"w": None})
+    lc.open_backward(slot)
+    assert lc.end_borrows(lambda param, scope: pytest.fail("asked about a param the slot does not hold")) == []
+    assert lc.lending()
+
+
+def test_lend_to_a_closed_slot_or_a_forward_raises():
+    lc = InvocationLifecycle()
+    slot = lc.new_slot("borrower")
+    lc.close_backward(slot)
+    with pytest.raises(ValueError):
+        lc.lend(slot, {"w": None})
+    with pytest.raises(ValueError):
+        lc.lend(forward(lc, "m"), {"w": None})
+
+
+# ---------------------------------------------------------------------------------------------
 # property tests: a reference model of the lifecycle driven by random event sequences
 
 PARAMS = ("w0", "w1", "w2", "f0", "f1")
@@ -788,6 +849,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.batch_handoffs = {}  # (slot id, param) -> stale?, hand-offs of the running batch
         self.unconsumed = []  # replays whose slot will not open: they keep their holds until a reap
         self.freed = set()  # returned as freed and not held since
+        self.lent = {}  # slot id -> params lent
 
     # ------------------------------------------------------------------ model helpers
     def _track(self, inv, state):
@@ -801,6 +863,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         return {i for i, held in self.holds.items() if param in held}
 
     def _retire(self, i):
+        self.lent.pop(i, None)
         held = self.holds.pop(i)
         for p in held:
             self.keys.pop((i, p), None)
@@ -1014,6 +1077,36 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert self.lc.handoff_numel() <= self.budget
 
     @precondition(lambda self: self.lc is not None and self._slot_ids(open_only=True))
+    @rule(data=st.data(), params=st.sets(st.sampled_from(PARAMS), min_size=1, max_size=3))
+    def lend(self, data, params):
+        slot = self._pick(data, self._slot_ids(open_only=True))
+        self.lc.lend(slot, {p: slot.id for p in params})
+        self.lent.setdefault(slot.id, set()).update(params)
+
+    @precondition(lambda self: self.lc is not None)
+    @rule(over=st.sets(st.sampled_from(PARAMS)))
+    def end_borrows(self, over):
+        expected_ends = set()
+        for i, params in self.lent.items():
+            if self.state[i] is State.OPEN:
+                expected_ends |= {(i, p) for p in params & over & self.holds[i]}
+        asked = []
+
+        def is_over(param, scope):
+            asked.append((scope, param))
+            return param in over
+
+        returned = self.lc.end_borrows(is_over)
+        assert {(i, p) for i, p in asked if p in over} == expected_ends
+        for i, p in expected_ends:
+            self.holds[i].discard(p)
+            self.lent[i].discard(p)
+            self.keys.pop((i, p), None)
+            self.batch_handoffs.pop((i, p), None)
+        self.lent = {i: params for i, params in self.lent.items() if params}
+        self._check_freed(returned, {p for _, p in expected_ends if not self._live_holders(p)})
+
+    @precondition(lambda self: self.lc is not None and self._slot_ids(open_only=True))
     @rule(data=st.data())
     def toggle_will_open(self, data):
         slot = self._pick(data, self._slot_ids(open_only=True))
@@ -1092,6 +1185,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert size["call_stack"] == len(self.stack)
         assert size["unconsumed_replays"] == len(self.unconsumed)
         assert size["handoffs"] == len(self.keys)
+        assert size["lending_slots"] == len(self.lent)
         assert size["slot_modules"] == sum(
             1 for ids in self.slots.values() if any(self.state[s] is not State.CLOSED for s in ids))
         for m in MODULES:

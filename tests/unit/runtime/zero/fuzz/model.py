@@ -46,6 +46,19 @@ class Pair(torch.nn.Module):
         return self.linear(a) * torch.sigmoid(b)
 
 
+class Borrow(torch.nn.Module):
+    """Reads its child's weight in its own forward, so ZeRO-3 makes it borrow the weight."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.child = torch.nn.Linear(dim, dim)
+
+    def forward(self, h):
+        before = h @ self.child.weight  # saves the param itself (a linear saves a view of it)
+        out = self.child(torch.tanh(before))
+        return out + torch.nn.functional.linear(torch.tanh(out), self.child.weight)
+
+
 def _body(spec, dim, shared):
     if spec.body == "shared":
         return shared
@@ -55,6 +68,8 @@ def _body(spec, dim, shared):
         return Pair(dim)
     if spec.body == "mha":
         return torch.nn.MultiheadAttention(dim, HEADS, batch_first=True)
+    if spec.body == "borrow":
+        return Borrow(dim)
     return torch.nn.Linear(dim, dim)
 
 

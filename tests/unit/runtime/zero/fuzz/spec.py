@@ -12,8 +12,9 @@ from typing import Tuple, Union
 PARAMS = ("frozen", "trainable", "mixed")
 # linear: one Linear; repeat: one Linear called twice; recursive: a module that calls itself;
 # shared: a Linear shared with other blocks; pair: a module given the same tensor twice;
-# mha: nn.MultiheadAttention self-attention (query is key is value).
-BODIES = ("linear", "repeat", "recursive", "shared", "pair", "mha")
+# mha: nn.MultiheadAttention self-attention (query is key is value); borrow: a module that reads its
+# child's weight (ZeRO-3 makes it borrow the weight) and uses it in ops before and after the child's call.
+BODIES = ("linear", "repeat", "recursive", "shared", "pair", "mha", "borrow")
 # tensor: block(x) -> tensor; kwargs: block(x, scale=..., gate=x) -> tensor; same_tensor: block(x, x);
 # dict / model_output / non_tensor: the output is a dict, a transformers ModelOutput, a tuple with
 # non-tensor members, of which the caller takes the hidden state.
