@@ -14,7 +14,7 @@ mkdir -p "$OUTDIR/1.1b" "$OUTDIR/8b"
 {
     date -u
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-    python3 -c 'import torch, transformers, peft, deepspeed, zero3_ac; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "deepspeed", deepspeed.__version__, "fork active", zero3_ac.is_active())'
+    python3 -c 'import torch, transformers, peft, deepspeed, zero3_ac; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "deepspeed", deepspeed.__version__, "fork active", zero3_ac.is_active(), "from", zero3_ac.__file__)'
 } 2>&1 | tee "$OUTDIR/environment.txt"
 common="--device cuda --world $WORLDS --systems plain,fsdp2,stock,fork --warmup 2 --steps 4 --timeout-s 150"
 python3 benchmarks/peers.py $common --shape 1.1b --modes lora,full --ac nonreentrant,reentrant \

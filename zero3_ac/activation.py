@@ -38,14 +38,21 @@ def _patches():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero import parameter_offload as stock_parameter_offload
+    from deepspeed.runtime.zero import partition_parameters as stock_partition_parameters
+    from deepspeed.runtime.zero import partitioned_param_coordinator as stock_coordinator
+    from deepspeed.runtime.zero import stage3 as stock_stage3
+    from deepspeed.utils import nvtx as stock_nvtx
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import borrowed_params
     from zero3_ac.runtime.zero import linear as fork_linear
+    from zero3_ac.runtime.zero import partition_parameters as fork_partition_parameters
+    from zero3_ac.runtime.zero import partitioned_param_coordinator as fork_coordinator
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
     from zero3_ac.runtime.zero import stage3_gradients
+    from zero3_ac.utils import nvtx
 
     def _register_deepspeed_module(self, module, count=[0]):
         fork.register_deepspeed_module(self, module)
@@ -54,6 +61,9 @@ def _patches():
         (LinearFunctionForZeroStage3, "apply", classmethod(fork_linear.apply)),
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (stock_parameter_offload, "register_external_parameter", borrowed_params.register_external_parameter),
+        (stock_coordinator, "iter_params", fork_coordinator.cached_iter_params),
+        *((module, "print_rank_0", fork_partition_parameters.print_rank_0_checking_flags_first(module.print_rank_0))
+          for module in (stock_partition_parameters, stock_stage3)),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
@@ -65,6 +75,8 @@ def _patches():
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
                                  stage3_gradients.finalize_gradient_accumulation_boundary))
+    if not nvtx.ranges_requested():
+        patches.append((stock_nvtx, "enable_nvtx", False))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches

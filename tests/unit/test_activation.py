@@ -12,17 +12,24 @@ import zero3_ac
 from tests.unit.common import run_distributed
 from zero3_ac import activation, version_guard
 
+# (module, class or None for a module-level name, name)
 PATCHED = [("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module"),
            ("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "partition_all_parameters"),
-           ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "initialize_ds_offload")]
+           ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "initialize_ds_offload"),
+           ("deepspeed.runtime.zero.parameter_offload", None, "register_external_parameter"),
+           ("deepspeed.runtime.zero.partitioned_param_coordinator", None, "iter_params"),
+           ("deepspeed.runtime.zero.partition_parameters", None, "print_rank_0"),
+           ("deepspeed.runtime.zero.stage3", None, "print_rank_0"),
+           ("deepspeed.utils.nvtx", None, "enable_nvtx")]
 
 
 def _class_attrs():
     import importlib
     attrs = {}
     for module_name, class_name, name in PATCHED:
-        owner = getattr(importlib.import_module(module_name), class_name)
-        attrs[(class_name, name)] = owner.__dict__[name]
+        module = importlib.import_module(module_name)
+        owner = getattr(module, class_name) if class_name else module
+        attrs[(module_name, class_name, name)] = owner.__dict__[name]
     return attrs
 
 
@@ -43,6 +50,14 @@ def _run_python(code, **env):
 @pytest.mark.parametrize("disable, expected", [("", "True"), ("1", "False")])
 def test_importing_deepspeed_activates_the_fork_unless_disabled(disable, expected):
     result = _run_python("import deepspeed, zero3_ac; print(zero3_ac.is_active())", ZERO3_AC_DISABLE=disable)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+@pytest.mark.parametrize("requested, expected", [("", "False"), ("1", "True")])
+def test_deepspeeds_nvtx_ranges_are_off_under_the_fork_unless_requested(requested, expected):
+    result = _run_python("import deepspeed, deepspeed.utils.nvtx as nvtx; print(nvtx.enable_nvtx)",
+                         ZERO3_AC_DISABLE="", ZERO3_AC_NVTX=requested)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == expected
 
