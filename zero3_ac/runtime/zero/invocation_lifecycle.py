@@ -46,7 +46,7 @@ Note: [Borrows a recompute re-reads]
     it as the module's external param), and its backward slot holds it like its own: the module's
     code may use it in an op whose backward comes after the owner's. The driver may know more:
     a borrow read only inside a region whose recompute reads it again is needed, in the backward,
-    only by what that recompute records (see parameter_offload's [Borrows inside a checkpointed
+    only by what that recompute records (see borrowed_params' [Borrows inside a checkpointed
     region]). Such a hold is *lent*: it ends as soon as the driver says its scope is over, which
     the lifecycle asks at every slot close (``end_borrows``), and at the latest when the slot
     closes. Everything else about the slot is unchanged.

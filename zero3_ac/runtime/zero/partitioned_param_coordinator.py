@@ -79,6 +79,14 @@ class CoordinatorTap:
         from a backward: a module's release follows its own fetch, or that of a module inside it.
         Under the fork the hooks know the phase exactly and pass ``phase_source`` instead; the
         fetch is then not wrapped.
+
+    Note: [Releases that release nothing]
+        Upstream's ``__release_param`` partitions a param only when it is gathered and no module is
+        active on it; each call first goes through torch's dynamo-disable wrapper and the NVTX
+        decorator. Its ``release_and_reset_all`` calls it for every param of the model at every
+        step, almost all of them partitioned already. Under the fork the tap returns at once for a
+        param the release would leave as it is; on a stock engine (a meter listening) it calls
+        through, so that stock costs what it costs.
     """
 
     def __init__(self, coordinator, phase_source=None):
@@ -136,6 +144,8 @@ class CoordinatorTap:
 
     def _release_param(self, param, free_data=True):
         was_available = param.ds_status == ZeroParamStatus.AVAILABLE
+        if self.phase_source is not None and (not was_available or param.ds_active_sub_modules):
+            return
         self._release(param, free_data)
         if was_available and self.listeners and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             phase = self.phase()

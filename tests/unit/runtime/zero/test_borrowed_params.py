@@ -40,16 +40,20 @@ class _AfterBackward(torch.autograd.Function):
         return grad, None, None, None
 
 
-class BorrowingBlock(torch.nn.Module):
-    """Uses its frozen child's weight in one checkpointed region, and calls the child in a later one."""
+class FrozenChildBlock(torch.nn.Module):
+    """A frozen child whose weight the block reads, a trainable adapter and a trainable head."""
 
-    def __init__(self, log, dim=DIM):
+    def __init__(self, log=None, dim=DIM):
         super().__init__()
         self.log = log
         self.child = torch.nn.Linear(dim, dim)
         self.child.requires_grad_(False)
         self.lora = torch.nn.Linear(dim, dim, bias=False)
         self.head = torch.nn.Linear(dim, dim, bias=False)
+
+
+class BorrowingBlock(FrozenChildBlock):
+    """Uses its frozen child's weight in one checkpointed region, and calls the child in a later one."""
 
     def forward(self, x):
         weight = self.child.weight  # borrowed, read outside any region: the borrow lasts to the block's end
@@ -82,17 +86,9 @@ def test_borrowed_frozen_param_used_after_its_owners_backward():
 
 
 # ---------------------------------------------------------------- borrows read only inside a region
-class RegionReaderBlock(torch.nn.Module):
+class RegionReaderBlock(FrozenChildBlock):
     """Reads its frozen child's weight inside a checkpointed function (not a module), right before
     calling the child there; the probe's backward runs right after the child's backward."""
-
-    def __init__(self, log, dim=DIM):
-        super().__init__()
-        self.log = log
-        self.child = torch.nn.Linear(dim, dim)
-        self.child.requires_grad_(False)
-        self.lora = torch.nn.Linear(dim, dim, bias=False)
-        self.head = torch.nn.Linear(dim, dim, bias=False)
 
     def _region(self, h):
         probed = _AfterBackward.apply(h, self.log, "child backward done", self.child.weight)
@@ -142,17 +138,14 @@ def test_borrow_read_only_inside_a_region_ends_at_the_last_consumer(block):
     run_distributed(WORLD_SIZE, region_reader_case, block)
 
 
-class RegionUserBlock(torch.nn.Module):
+class RegionUserBlock(FrozenChildBlock):
     """Reads its frozen child's weight inside checkpointed functions and uses it in ops there: before
     and after the child's call in the same region, and (``user_region``) in a region before the one
     that calls the child."""
 
     def __init__(self, user_region, dim=DIM):
-        super().__init__()
+        super().__init__(dim=dim)
         self.user_region = user_region
-        self.child = torch.nn.Linear(dim, dim)
-        self.child.requires_grad_(False)
-        self.lora = torch.nn.Linear(dim, dim, bias=False)
 
     def _user_region(self, h):
         return torch.tanh(torch.nn.functional.linear(h, self.child.weight)) + self.lora(h)
@@ -165,7 +158,7 @@ class RegionUserBlock(torch.nn.Module):
     def forward(self, x):
         h = checkpoint(self._user_region, x, use_reentrant=False) if self.user_region else x
         h = checkpoint(self._owner_region, h, use_reentrant=False)
-        return h.float().pow(2).mean()
+        return self.head(h).float().pow(2).mean()
 
 
 def region_user_case(user_region, zero_options):

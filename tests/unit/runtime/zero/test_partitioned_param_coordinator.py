@@ -38,3 +38,40 @@ def test_a_leaf_gathers_its_subtree_and_an_external_param_invalidates_the_cache(
     external = torch.nn.Parameter(torch.zeros(2))
     block._external_params[id(external)] = external
     assert cached_iter_params(block, recurse=True) == _upstream(block, True) == [*leaf, external]
+
+
+class _Coordinator:
+    """Upstream's name-mangled release and gather, recording what reaches them."""
+
+    def __init__(self):
+        self.released = []
+
+    def _PartitionedParameterCoordinator__all_gather_params(self, params, forward):
+        pass
+
+    def _PartitionedParameterCoordinator__release_param(self, param, free_data=True):
+        self.released.append(param.name)
+
+    def fetch_sub_module(self, module, forward):
+        pass
+
+
+class _Param:
+
+    def __init__(self, name, status, active=()):
+        self.name, self.ds_status, self.ds_active_sub_modules = name, status, set(active)
+
+
+def test_the_forks_tap_returns_at_once_for_a_release_that_releases_nothing():
+    """Note [Releases that release nothing]: only a gathered param no module is active on reaches upstream."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from zero3_ac.runtime.zero.partitioned_param_coordinator import CoordinatorTap
+    params = [_Param("gathered", ZeroParamStatus.AVAILABLE), _Param("partitioned", ZeroParamStatus.NOT_AVAILABLE),
+              _Param("in use", ZeroParamStatus.AVAILABLE, active=[-3])]
+    for phase_source, expected in ((lambda: "forward", ["gathered"]), (None, ["gathered", "partitioned", "in use"])):
+        coordinator = _Coordinator()
+        CoordinatorTap.of(coordinator, phase_source)
+        for param in params:
+            coordinator._PartitionedParameterCoordinator__release_param(param)
+        assert coordinator.released == expected
