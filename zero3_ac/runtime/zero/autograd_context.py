@@ -43,17 +43,20 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+def _top_pack_hook():
+    """The pack hook of the innermost saved-tensors hooks, or None."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return None if hooks is None else hooks[0]
+
+
 def saved_tensors_hooks_active() -> bool:
     """Whether any saved-tensors hooks are installed (a replay recompute always runs under one)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    return _top_pack_hook() is not None
 
 
 def is_replay_recompute() -> bool:
     """True inside a recompute whose saved tensors feed the original forward's graph."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is None:
-        return False
-    qualname = getattr(hooks[0], "__qualname__", "")
+    qualname = getattr(_top_pack_hook(), "__qualname__", "")
     return any(marker in qualname for marker in _REPLAY_PACK_HOOKS)
 
 
@@ -68,10 +71,10 @@ def inside_checkpoint() -> bool:
     A reentrant checkpoint's forward runs under ``no_grad`` and its recompute inside the backward
     with no saved-tensors hook; a non-reentrant one's forward and recompute run under their pack hooks.
     """
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is None:
+    pack = _top_pack_hook()
+    if pack is None:
         return in_backward()
-    qualname = getattr(hooks[0], "__qualname__", "")
+    qualname = getattr(pack, "__qualname__", "")
     return any(marker in qualname for marker in _CHECKPOINT_PACK_HOOKS)
 
 
@@ -104,10 +107,10 @@ _CHECKPOINT_FORWARD_PACK_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 
 def running_checkpoint_region():
     """The frame of the torch non-reentrant checkpoint whose forward is running, or None."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    if hooks is None or getattr(hooks[0], "__qualname__", "") != _CHECKPOINT_FORWARD_PACK_HOOK:
+    pack = _top_pack_hook()
+    if getattr(pack, "__qualname__", "") != _CHECKPOINT_FORWARD_PACK_HOOK:
         return None
-    cells = dict(zip(hooks[0].__code__.co_freevars, hooks[0].__closure__ or ()))
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
     frame = cells["frame"].cell_contents if "frame" in cells else None
     return frame if isinstance(getattr(frame, "is_recomputed", None), dict) else None
 

@@ -255,9 +255,7 @@ class InvocationLifecycle:
             for param, scope in list(slot.lent.items()):
                 if param in slot.holds and is_over(param, scope):
                     del slot.lent[param]
-                    slot.holds.discard(param)
-                    self._handoffs.pop((slot.id, param), None)
-                    if self._unhold(slot.id, param):
+                    if self._drop_hold(slot, param):
                         freed.append(param)
             if not slot.lent:
                 self._lending.discard(slot)
@@ -348,9 +346,7 @@ class InvocationLifecycle:
             slot = self._live.get(slot_id)
             if slot is None or slot.state is not State.PENDING:
                 continue
-            del self._handoffs[(slot_id, param)]
-            slot.holds.discard(param)
-            if self._unhold(slot.id, param):
+            if self._drop_hold(slot, param):
                 freed.append(param)
             over = self.handoff_numel() - self.max_handoff_numel
         return freed
@@ -437,6 +433,12 @@ class InvocationLifecycle:
                 if not slots:
                     del self._slots_by_module[inv.module]
         return freed
+
+    def _drop_hold(self, slot: Invocation, param: Hashable) -> bool:
+        """Drop one hold of a slot and its hand-off; True if the param has no holder left."""
+        self._handoffs.pop((slot.id, param), None)
+        slot.holds.discard(param)
+        return self._unhold(slot.id, param)
 
     def _unhold(self, inv_id: int, param: Hashable) -> bool:
         """Remove one hold; True if the param has no holder left."""
