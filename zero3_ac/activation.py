@@ -35,6 +35,7 @@ def _wrapping(owner, name, fork_function):
 
 
 def _patches():
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero import parameter_offload as stock_parameter_offload
@@ -44,6 +45,7 @@ def _patches():
     from deepspeed.utils import nvtx as stock_nvtx
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from zero3_ac.accelerator import cuda_accelerator as fork_cuda_accelerator
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import borrowed_params
     from zero3_ac.runtime.zero import linear as fork_linear
@@ -61,7 +63,9 @@ def _patches():
         (LinearFunctionForZeroStage3, "apply", classmethod(fork_linear.apply)),
         (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (stock_parameter_offload, "register_external_parameter", borrowed_params.register_external_parameter),
-        (stock_coordinator, "iter_params", fork_coordinator.cached_iter_params),
+        *((module, "iter_params", fork_coordinator.cached_iter_params)
+          for module in (stock_coordinator, stock_parameter_offload)),
+        (CUDA_Accelerator, "current_stream", fork_cuda_accelerator.current_stream),
         *((module, "print_rank_0", fork_partition_parameters.print_rank_0_checking_flags_first(module.print_rank_0))
           for module in (stock_partition_parameters, stock_stage3)),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
@@ -91,6 +95,7 @@ def apply() -> None:
     """Install the per-invocation lifecycle into DeepSpeed's ZeRO-3 engine. Idempotent."""
     version = version_guard.check_supported()
     from deepspeed.utils import logger
+    from zero3_ac.utils import module_tree
     with _lock:
         if _originals:
             return
@@ -99,6 +104,7 @@ def apply() -> None:
             _originals[(owner, name)] = owner.__dict__.get(name, _INHERITED)
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
+        module_tree.start_counting()
         existing = _existing_engines()
     if existing:
         logger.warning(f"zero3_ac: applied to deepspeed {version} after {existing} ZeRO-3 engine(s) were created; "
@@ -109,7 +115,9 @@ def apply() -> None:
 
 def remove() -> None:
     """Restore DeepSpeed's own methods exactly. Engines created meanwhile keep the fork's hooks."""
+    from zero3_ac.utils import module_tree
     with _lock:
+        module_tree.stop_counting()
         for (owner, name), original in _originals.items():
             if original is _INHERITED:
                 delattr(owner, name)

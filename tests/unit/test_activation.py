@@ -18,6 +18,8 @@ PATCHED = [("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", 
            ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "initialize_ds_offload"),
            ("deepspeed.runtime.zero.parameter_offload", None, "register_external_parameter"),
            ("deepspeed.runtime.zero.partitioned_param_coordinator", None, "iter_params"),
+           ("deepspeed.runtime.zero.parameter_offload", None, "iter_params"),
+           ("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator", "current_stream"),
            ("deepspeed.runtime.zero.partition_parameters", None, "print_rank_0"),
            ("deepspeed.runtime.zero.stage3", None, "print_rank_0"),
            ("deepspeed.utils.nvtx", None, "enable_nvtx")]

@@ -228,7 +228,6 @@ class ModuleInvocationHooks:
         self._grad_hooks = {param: handle for param, handle in self._grad_hooks.items() if id(handle) in registered}
         mark_gather_units(root, self.offload._max_available_parameters_in_numel)
         self._params_under.clear()
-        self.params.forget_model_params()
         ids = itertools.count()
         stack = [root]
         while stack:

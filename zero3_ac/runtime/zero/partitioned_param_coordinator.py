@@ -18,12 +18,19 @@ from deepspeed.utils import z3_leaf_module
 
 from zero3_ac.runtime.zero.accounting import LifecycleAccounting
 from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle
+from zero3_ac.utils import module_tree
 
 _PRIVATE = "_PartitionedParameterCoordinator__"
 _TAP_ATTR = "_zero3_ac_tap"
 
 
 _PARAMS_CACHE_ATTR = "_zero3_ac_params"
+_MODEL_PARAMS_CACHE_ATTR = "_zero3_ac_model_params"
+
+
+def _externals(module):
+    externals = getattr(module, "_external_params", None)
+    return tuple(externals) if externals else ()
 
 
 def module_params(module):
@@ -31,25 +38,36 @@ def module_params(module):
 
     Computed once per module and kept while the module's own params, its external params and its
     leaf marking stay the same (checked by identity and size: O(1) per call for a module without
-    external params), since the hooks ask for every module call.
+    external params) and no module tree changed shape (Note [Module trees that change shape]),
+    since the hooks ask for every module call.
     """
-    externals = getattr(module, "_external_params", None)
-    key = (module._parameters.__len__(), tuple(externals) if externals else (), z3_leaf_module(module))
+    leaf = z3_leaf_module(module)
+    key = (module._parameters.__len__(), _externals(module), leaf, module_tree.generation())
     cached = module.__dict__.get(_PARAMS_CACHE_ATTR)
     if cached is not None and cached[0] == key:
         return cached[1]
-    params = list(iter_params(module, recurse=key[2]))
+    params = list(iter_params(module, recurse=leaf))
     module.__dict__[_PARAMS_CACHE_ATTR] = (key, params)
     return params
 
 
+def model_params(module):
+    """Every param of ``module``'s tree and its external ones, upstream's ``iter_params(module,
+    recurse=True)``, walked once per tree shape (Note [Module trees that change shape])."""
+    return module_tree.cached_walk(module, _MODEL_PARAMS_CACHE_ATTR, lambda root: iter_params(root, recurse=True),
+                                   extra_key=_externals(module))
+
+
 def cached_iter_params(module, recurse=False):
-    """Replacement of upstream ``iter_params`` in ``partitioned_param_coordinator.py``: the cached
-    :func:`module_params` when asked for what a module's hooks gather (``recurse`` is the module's
-    leaf marking), which ``fetch_sub_module`` asks for about twenty times a fetch (its prefetch
-    looks at the modules ahead). Anything else goes to upstream's."""
+    """Replacement of upstream ``iter_params`` in ``partitioned_param_coordinator.py`` and
+    ``parameter_offload.py``: the cached :func:`module_params` when asked for what a module's hooks
+    gather (``recurse`` is the module's leaf marking), which ``fetch_sub_module`` asks for about
+    twenty times a fetch (its prefetch looks at the modules ahead); the cached :func:`model_params`
+    for a whole tree, which the step boundary walks three times. Anything else goes to upstream's."""
     if recurse == z3_leaf_module(module):
         return module_params(module)
+    if recurse:
+        return model_params(module)
     return iter_params(module, recurse)
 
 
@@ -168,10 +186,6 @@ class InvocationParams:
         self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
-        self._model_params = {}  # root module -> its params, for the sweep; kept until the next registration
-
-    def forget_model_params(self) -> None:
-        self._model_params.clear()
 
     def _tap_phase(self) -> str:
         # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that
@@ -262,11 +276,8 @@ class InvocationParams:
     def release_unheld(self, root_module) -> int:
         """Release every gathered param that nothing holds (persistent and external ones excepted);
         returns how many."""
-        params = self._model_params.get(root_module)
-        if params is None:
-            params = self._model_params[root_module] = list(iter_params(root_module, recurse=True))
         released = 0
-        for param in params:
+        for param in model_params(root_module):
             if (is_zero_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
                 self._release_through_coordinator(param)

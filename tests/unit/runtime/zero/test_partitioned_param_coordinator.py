@@ -75,3 +75,58 @@ def test_the_forks_tap_returns_at_once_for_a_release_that_releases_nothing():
         for param in params:
             coordinator._PartitionedParameterCoordinator__release_param(param)
         assert coordinator.released == expected
+
+
+def test_a_whole_model_walk_is_upstreams_and_sees_params_added_later():
+    """The step boundary's ``iter_params(root, recurse=True)``: cached per tree shape (Note [Module
+    trees that change shape]), with the root's external params."""
+    from zero3_ac.utils import module_tree
+    was_counting = module_tree.generation() is not None
+    module_tree.start_counting()
+    try:
+        root = torch.nn.Sequential(Block(), Block())
+        root._external_params = {}
+        root.ds_external_parameters = lambda: root._external_params.items()
+        first = cached_iter_params(root, recurse=True)
+        assert first == _upstream(root, True) and cached_iter_params(root, recurse=True) is first
+        root[1].inner = torch.nn.Linear(4, 2)  # a replaced layer, as PEFT's injection does
+        replaced = cached_iter_params(root, recurse=True)
+        assert replaced == _upstream(root, True) and not any(param is root[1].inner.weight for param in first)
+        external = torch.nn.Parameter(torch.zeros(2))
+        root._external_params[id(external)] = external
+        assert cached_iter_params(root, recurse=True) == _upstream(root, True)
+        assert cached_iter_params(root, recurse=True)[-1] is external
+    finally:
+        if not was_counting:
+            module_tree.stop_counting()
+
+
+def hf_steps_keep_the_model_walk_case():
+    import zero3_ac
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.unit.runtime.zero.zero_case import make_engine, zero_config
+    from zero3_ac.utils import module_tree
+    if not zero3_ac.is_active():
+        return "skipped"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine = make_engine(model, zero_config(3))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    seen = []
+    for _ in range(3):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        seen.append((module_tree.generation(), id(cached_iter_params(engine.module, recurse=True))))
+    engine.destroy()
+    assert seen[1] == seen[2], seen  # after the first step nothing registers, so the walk is reused
+    return "ok"
+
+
+def test_hf_llama_steps_reuse_the_model_walk():
+    """transformers' decoder slices its ``ModuleList`` in every forward (Note [Module trees that change
+    shape]); that must not count as a change, or the step boundary walks the whole model again."""
+    from tests.unit.common import run_distributed
+    assert run_distributed(1, hf_steps_keep_the_model_walk_case) in (["ok"], ["skipped"])

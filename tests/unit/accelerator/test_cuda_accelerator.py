@@ -1,0 +1,26 @@
+"""The CUDA accelerator's stream query (zero3_ac/accelerator/cuda_accelerator.py): the stream torch
+names, with and without a device, on the default stream and inside another stream's context."""
+
+import pytest
+import torch
+
+from zero3_ac.accelerator.cuda_accelerator import current_stream
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_no_device_names_the_current_stream_of_the_current_device():
+    side = torch.cuda.Stream()
+    assert current_stream(None) == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert current_stream(None) == side == torch.cuda.current_stream()
+        assert current_stream(None, torch.cuda.current_device()) == side
+    assert current_stream(None) == torch.cuda.current_stream() != side
+
+
+def test_the_installed_accelerator_uses_it_while_the_fork_is_active():
+    import zero3_ac
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    if not zero3_ac.is_active():
+        pytest.skip("the fork is not active (ZERO3_AC_DISABLE)")
+    assert CUDA_Accelerator.current_stream is current_stream
