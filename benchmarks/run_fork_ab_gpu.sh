@@ -23,12 +23,14 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
             --warmup 2 --steps 4 --timeout-s 150 --out "$OUTDIR/$name/round$round" 2>&1 | grep -v -i warn | tail -2
     done
 done
-python3 - "$OUTDIR" "${variants[@]}" <<'PY' | tee "$OUTDIR/summary.txt"
-import glob, json, os, statistics, sys
-out = sys.argv[1]
-for variant in sys.argv[2:]:
+python3 - "$OUTDIR" "${ROUNDS:-3}" "${variants[@]}" <<'PY' | tee "$OUTDIR/summary.txt"
+import json, os, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+for variant in sys.argv[3:]:
     name = variant.split("=", 1)[0]
-    runs = [json.load(open(path))["runs"][0] for path in sorted(glob.glob(os.path.join(out, name, "round*", "results.json")))]
+    # Only this call's rounds: an earlier call into the same OUTDIR may have left more.
+    paths = [os.path.join(out, name, f"round{r}", "results.json") for r in range(1, rounds + 1)]
+    runs = [json.load(open(path))["runs"][0] for path in paths if os.path.exists(path)]
     steps = [run["step_s_median"] for run in runs if not run["error"]]
     host = [run["host_us_per_module_call"] for run in runs if not run["error"]]
     print(f"{name}: step s median {statistics.median(steps):.4f} rounds {[round(s, 4) for s in steps]} "
