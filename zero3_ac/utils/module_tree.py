@@ -46,11 +46,13 @@ def _module_registered(module, name, submodule):
 def start_counting() -> None:
     """Count every param or module registration in the process (idempotent); forgets older walks."""
     global _generation
-    if _handles:
-        return
+    register_param_hook = getattr(torch_module, "register_module_parameter_registration_hook", None)
+    register_module_hook = getattr(torch_module, "register_module_module_registration_hook", None)
+    if _handles or register_param_hook is None or register_module_hook is None:
+        return  # a torch without the global hooks: nothing counts, so every walk is fresh
     _generation += 1
-    _handles.append(torch_module.register_module_parameter_registration_hook(_param_registered))
-    _handles.append(torch_module.register_module_module_registration_hook(_module_registered))
+    _handles.append(register_param_hook(_param_registered))
+    _handles.append(register_module_hook(_module_registered))
 
 
 def stop_counting() -> None:

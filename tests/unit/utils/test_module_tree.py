@@ -126,3 +126,13 @@ def test_a_slice_of_managed_layers_is_no_change_but_a_managed_container_gaining_
     assert len(layers) == 2 and cached(root) is first
     root[0].append(root[0][0])  # a managed container gaining a (shared) layer is a change
     assert cached(root) is not first and ids(cached(root)) == fresh(root)
+
+
+def test_a_torch_without_the_global_hooks_counts_nothing_and_reuses_nothing(counting, monkeypatch):
+    module_tree.stop_counting()
+    monkeypatch.delattr(module_tree.torch_module, "register_module_module_registration_hook")
+    module_tree.start_counting()
+    root = tree()
+    assert module_tree.generation() is None and cached(root) is not cached(root)
+    monkeypatch.undo()
+    module_tree.start_counting()
