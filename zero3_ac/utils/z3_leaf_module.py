@@ -13,6 +13,9 @@ Note: [Leaf gradients in the ZeRO-3 optimizer]
     when its output gradient arrives, before its param gradients exist. Units keep the per-param
     reduction hooks, which fire when each gradient is there.
 
+A user's leaf inside a unit stays a leaf of the optimizer (its params carry ``ds_z3_leaf_module``),
+see [Gather units].
+
 The setting, per model, with the API winning over the config:
 
 - ``zero3_ac.set_gather_units(model, units)`` before ``deepspeed.initialize``;
@@ -29,7 +32,7 @@ import sys
 
 from deepspeed.utils import logger, set_z3_leaf_module, z3_leaf_module
 
-from zero3_ac.runtime.zero.invocation_lifecycle import choose_gather_units
+from zero3_ac.runtime.zero.invocation_lifecycle import choose_gather_units, leaves_inside
 
 AUTO = "auto"
 OFF = "off"
@@ -79,14 +82,24 @@ def _is_checkpointed_block(module) -> bool:
     return layer_class is not None and isinstance(module, layer_class) and module.gradient_checkpointing is True
 
 
-def _candidate_test(units):
+def _class_names(module) -> tuple:
+    kind = type(module)
+    return kind.__name__, f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _candidate_test(root, units):
     if units == AUTO:
         return _is_checkpointed_block
     if units == OFF:
         return lambda module: False
     names = set(units)
-    return lambda module: (type(module).__name__ in names
-                           or f"{type(module).__module__}.{type(module).__qualname__}" in names)
+    present = {name for module in root.modules() for name in _class_names(module)}
+    unknown = sorted(names - present)
+    if unknown:
+        classes = sorted({type(module).__name__ for module in root.modules() if any(True for _ in module.parameters())})
+        raise ValueError(f"zero3_ac: gather_units names {unknown}, which no module of the model is; module classes "
+                         f"with params in this model: {classes}")
+    return lambda module: not names.isdisjoint(_class_names(module))
 
 
 def mark_gather_units(root, max_live_numel) -> list:
@@ -99,7 +112,7 @@ def mark_gather_units(root, max_live_numel) -> list:
     chosen = choose_gather_units(root,
                                  children=lambda module: list(module.children()),
                                  is_leaf=z3_leaf_module,
-                                 is_candidate=_candidate_test(units),
+                                 is_candidate=_candidate_test(root, units),
                                  numel_under=lambda module: sum(
                                      getattr(param, "ds_numel", param.numel()) for param in module.parameters()),
                                  parent_count=parents.__getitem__,
@@ -113,3 +126,11 @@ def mark_gather_units(root, max_live_numel) -> list:
         logger.info(f"zero3_ac: {len(new_units)} gather units ({', '.join(kinds)}); "
                     f"\"{CONFIG_SECTION}\": {{\"{CONFIG_KEY}\": \"{OFF}\"}} gathers module by module")
     return chosen
+
+
+def user_leaves_at(module) -> list:
+    """The user's ZeRO-3 leaves that a hooked leaf ``module`` stands for: itself, or, for a gather
+    unit, the outermost leaves inside it, whose params keep the optimizer's leaf reduction."""
+    if not is_gather_unit(module):
+        return [module]
+    return leaves_inside(module, children=lambda inner: list(inner.children()), is_leaf=z3_leaf_module)

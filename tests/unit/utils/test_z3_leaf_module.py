@@ -151,3 +151,12 @@ def test_a_config_section_with_an_unknown_key_is_refused():
     from zero3_ac.utils.z3_leaf_module import remember_config_setting
     with pytest.raises(ValueError, match=r'takes only "gather_units"'):
         remember_config_setting(torch.nn.Linear(2, 2), {"zero3_ac": {"gather_unit": "off"}})
+
+
+def test_a_class_name_that_no_module_of_the_model_has_is_refused_with_the_models_classes():
+    import zero3_ac
+    from zero3_ac.utils.z3_leaf_module import mark_gather_units
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    zero3_ac.set_gather_units(model, ["NoSuchLayer", "Linear"])
+    with pytest.raises(ValueError, match=r"\['NoSuchLayer'\].*\['Linear', 'Sequential'\]"):
+        mark_gather_units(model, max_live_numel=10**9)

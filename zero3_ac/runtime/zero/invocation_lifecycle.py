@@ -477,6 +477,13 @@ class InvocationLifecycle:
 #       budget (``stage3_max_live_parameters``): it could not be gathered at once under it.
 #     - A candidate is not a unit when a module inside it also hangs elsewhere in the model (shared
 #       by two parents): called from outside the unit, that module would have no hooks to gather it.
+#     - A user's leaf inside a unit stays a leaf of ZeRO-3's optimizer: a unit changes how params
+#       are gathered and released, never how their gradients are reduced. Upstream reduces a leaf's
+#       params together from the leaf's backward hook, with zeros for params that got no gradient
+#       (MoE experts not routed to on this rank), so every rank reduces the same params in the same
+#       order. Reduced one by one instead, ranks that ran different experts fill different buckets:
+#       a collective size mismatch, or, with experts of one shape, other experts' gradients averaged
+#       in silently.
 #     What a unit changes in memory: its params stay gathered from its first use in a pass to its
 #     last, so the gathered peak grows by at most one unit (FSDP2 holds a layer the same way); the
 #     bytes gathered per step do not change (forward, then one gather for recompute and backward).
@@ -502,15 +509,29 @@ def choose_gather_units(root: Hashable, children: Callable[[Hashable], Iterable[
             stack.extend(children(inner))
         return False
 
-    units, seen, stack = [], set(), [root]
+    return _outermost([root], children,
+                      lambda module: is_leaf(module) or (is_candidate(module) and numel_under(module) <= max_live_numel
+                                                         and not shared_inside(module)))
+
+
+def leaves_inside(unit: Hashable, children: Callable[[Hashable], Iterable[Hashable]],
+                  is_leaf: Callable[[Hashable], bool]) -> List[Hashable]:
+    """The outermost leaves strictly below ``unit``, in pre-order: the user's leaves whose gradient
+    reduction a gather unit keeps (see [Gather units])."""
+    return _outermost(children(unit), children, is_leaf)
+
+
+def _outermost(tops: Iterable[Hashable], children: Callable[[Hashable], Iterable[Hashable]],
+               matches: Callable[[Hashable], bool]) -> List[Hashable]:
+    """The modules that ``matches``, at or below ``tops``, that no other match lies above; pre-order."""
+    found, seen, stack = [], set(), list(reversed(list(tops)))
     while stack:
         module = stack.pop()
         if module in seen:  # shared: reached again through another parent
             continue
         seen.add(module)
-        if is_leaf(module) or (is_candidate(module) and numel_under(module) <= max_live_numel
-                               and not shared_inside(module)):
-            units.append(module)
+        if matches(module):
+            found.append(module)
             continue
         stack.extend(reversed(list(children(module))))
-    return units
+    return found

@@ -63,7 +63,7 @@ from zero3_ac.runtime.zero import autograd_context
 from zero3_ac.runtime.zero.borrowed_params import BorrowReads, report_reads_of, scope_is_over
 from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
 from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
-from zero3_ac.utils.z3_leaf_module import is_gather_unit, mark_gather_units
+from zero3_ac.utils.z3_leaf_module import mark_gather_units, user_leaves_at
 
 LIFECYCLE_ATTR = "_zero3_ac_hooks"
 
@@ -235,10 +235,11 @@ class ModuleInvocationHooks:
             module.ds_id = next(ids)
             self.borrow_reads.attach(module)
             leaf = z3_leaf_module(module)
-            if leaf and not is_gather_unit(module):
-                for param in module.parameters():
-                    param.ds_z3_leaf_module = module
-            if not leaf:
+            if leaf:
+                for user_leaf in user_leaves_at(module):
+                    for param in user_leaf.parameters():
+                        param.ds_z3_leaf_module = user_leaf
+            else:
                 stack.extend(reversed(list(module.children())))
             self._register_hooks(module, leaf)
 

@@ -9,7 +9,7 @@ import collections
 from hypothesis import given
 from hypothesis import strategies as st
 
-from zero3_ac.runtime.zero.invocation_lifecycle import choose_gather_units
+from zero3_ac.runtime.zero.invocation_lifecycle import choose_gather_units, leaves_inside
 
 BUDGET = 100
 
@@ -85,6 +85,18 @@ def test_the_root_may_be_a_unit():
     assert units(LLAMA, candidates={"root", "layer0"}) == ["root"]
 
 
+def test_a_users_leaf_inside_a_unit_is_found_for_its_gradient_reduction():
+    assert units(LLAMA, leaves={"mlp0", "lora0"}, candidates={"layer0"}) == ["layer0"]
+    assert leaves_inside("layer0", children=lambda module: LLAMA.get(module, []),
+                         is_leaf=lambda module: module in {"mlp0", "lora0", "attn0"}) == ["attn0", "mlp0"]
+
+
+def test_a_unit_is_not_inside_itself():
+    assert leaves_inside("layer0", children=lambda module: LLAMA.get(module, []), is_leaf=lambda module: True) == [
+        "attn0", "mlp0"
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # properties over random trees (with shared modules)
 
@@ -157,3 +169,14 @@ def test_every_unit_is_a_leaf_or_an_admissible_candidate_and_every_admissible_mo
             assert module in chosen
             continue
         stack.extend(tree.get(module, ()))
+
+
+@given(models())
+def test_the_leaves_inside_a_unit_are_the_outermost_leaves_strictly_below_it(model):
+    tree, leaves, candidates, numel, root = model
+    for unit in units(tree, leaves, candidates, numel, root=root):
+        inside = leaves_inside(unit, children=lambda module: tree.get(module, []), is_leaf=leaves.__contains__)
+        assert len(inside) == len(set(inside)) and set(inside) <= leaves & _under(tree, unit)
+        # Every leaf below the unit is one of them or lies under one of them.
+        covered = set(inside).union(*(_under(tree, leaf) for leaf in inside))
+        assert leaves & _under(tree, unit) <= covered
