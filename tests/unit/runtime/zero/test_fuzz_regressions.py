@@ -51,6 +51,13 @@ NESTED_NON_REENTRANT_STRICT = Example(
 DRAIN_AFTER_SELF_ATTENTION_WITHOUT_BACKWARD = Example(
     model=ModelSpec(stages=(BlockSpec(params="frozen", body="mha"), )), schedule=ScheduleSpec(input_grad=False))
 
+# Equal-shaped experts in a user's ZeRO-3 leaf inside a gather unit, each rank running the experts
+# its data picks. Fork: the unit hid the leaf, its params were reduced one by one, and the ranks
+# averaged different experts' gradients (no error); stock runs clean.
+EXPERTS_LEAF_INSIDE_A_UNIT = Example(
+    model=ModelSpec(stages=(BlockSpec(params="trainable", body="experts", checkpoint="nonreentrant"), )),
+    engine=EngineSpec(units=True))
+
 FIXED = {
     # A slot lives as long as its call's graph (invocation_lifecycle's [Several forwards before a backward]).
     "two_forwards_summed_before_one_backward": TWO_FORWARDS_SUMMED,
@@ -65,6 +72,8 @@ FIXED = {
     # Inside a checkpoint the recompute saves torch's view of a weight, not the param that the live
     # budget evicts (linear's [torch's own linear inside a checkpoint]); 0.18.5 ran it clean already.
     "nested_non_reentrant_checkpoints_strict_budget": NESTED_NON_REENTRANT_STRICT,
+    # A user's leaf inside a unit keeps the optimizer's leaf reduction (invocation_lifecycle's [Gather units]).
+    "experts_leaf_inside_a_gather_unit": EXPERTS_LEAF_INSIDE_A_UNIT,
 }
 PENDING_FAILURES = {}
 

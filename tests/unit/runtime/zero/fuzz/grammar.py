@@ -90,7 +90,8 @@ def schedules(draw):
 def engines(draw, dim):
     return EngineSpec(persistence=draw(st.sampled_from((0, dim, 10**6))),
                       strict=draw(st.booleans()),
-                      one_param_buckets=draw(st.booleans()))
+                      one_param_buckets=draw(st.booleans()),
+                      units=draw(st.booleans()))
 
 
 @st.composite

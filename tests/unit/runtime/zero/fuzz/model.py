@@ -59,6 +59,19 @@ class Borrow(torch.nn.Module):
         return out + torch.nn.functional.linear(torch.tanh(out), self.child.weight)
 
 
+class Experts(torch.nn.Module):
+    """Equal-shaped experts; a call runs the two that its input's largest element picks, so the
+    choice follows the data (each rank's) and is the same in a checkpoint's recompute."""
+
+    def __init__(self, dim, count=3):
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(count))
+
+    def forward(self, h):
+        first = int(h.detach().flatten().argmax()) % len(self.experts)
+        return sum(self.experts[index % len(self.experts)](h) for index in (first, first + 1))
+
+
 def _body(spec, dim, shared):
     if spec.body == "shared":
         return shared
@@ -70,6 +83,11 @@ def _body(spec, dim, shared):
         return torch.nn.MultiheadAttention(dim, HEADS, batch_first=True)
     if spec.body == "borrow":
         return Borrow(dim)
+    if spec.body == "experts":
+        from deepspeed.utils import set_z3_leaf_module
+        experts = Experts(dim)
+        set_z3_leaf_module(experts, True)
+        return experts
     return torch.nn.Linear(dim, dim)
 
 

@@ -207,6 +207,9 @@ def run_engine(example: Example, batches, seconds, rank) -> RunResult:
     where = "deepspeed.initialize"
     try:
         model = fuzz_model.build(example.model, example.seed)
+        if example.engine.units:
+            import zero3_ac
+            zero3_ac.set_gather_units(model, ["Block"])
         optimizer = torch.optim.SGD(list(_trainable(model).values()), lr=LR)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero_config(example))
         initial = _values(engine)

@@ -13,8 +13,10 @@ PARAMS = ("frozen", "trainable", "mixed")
 # linear: one Linear; repeat: one Linear called twice; recursive: a module that calls itself;
 # shared: a Linear shared with other blocks; pair: a module given the same tensor twice;
 # mha: nn.MultiheadAttention self-attention (query is key is value); borrow: a module that reads its
-# child's weight (ZeRO-3 makes it borrow the weight) and uses it in ops before and after the child's call.
-BODIES = ("linear", "repeat", "recursive", "shared", "pair", "mha", "borrow")
+# child's weight (ZeRO-3 makes it borrow the weight) and uses it in ops before and after the child's call;
+# experts: a ZeRO-3 leaf (``set_z3_leaf_module``, as MoE models are run under ZeRO-3) of equal-shaped
+# experts, of which each call runs the two its input picks: ranks given other data run other experts.
+BODIES = ("linear", "repeat", "recursive", "shared", "pair", "mha", "borrow", "experts")
 # tensor: block(x) -> tensor; kwargs: block(x, scale=..., gate=x) -> tensor; same_tensor: block(x, x);
 # dict / model_output / non_tensor: the output is a dict, a transformers ModelOutput, a tuple with
 # non-tensor members, of which the caller takes the hidden state.
@@ -77,6 +79,9 @@ class EngineSpec:
     # 1: every gradient is reduced on arrival, so a param may be reduced twice in one backward
     # (with DeepSpeed's default bucket, stage 3 asserts that a bucket holds each param once).
     one_param_buckets: bool = False
+    # The fork gathers each block as one gather unit (``zero3_ac.set_gather_units(model, ["Block"])``);
+    # stock ignores the setting.
+    units: bool = False
 
 
 @dataclass(frozen=True)
