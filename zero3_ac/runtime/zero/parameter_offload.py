@@ -120,6 +120,30 @@ class _SlotContext:
         """Whether a node that opens the slot is still alive (see [A slot lives as long as its graph])."""
         return any(ref() is not None for ref in self.open_nodes)
 
+    def await_only_computed_grads(self):
+        """Keep waiting only for the gradients the running backward will accumulate.
+
+        Note: [Gradients a backward will not compute]
+            A call's trainable params do not all get a gradient from every backward: MoE experts
+            the router did not pick on this rank, a branch the data skipped. A slot that waited
+            for them would stay open to the end of the backward, its params gathered. When the
+            slot opens, inside the backward, ``torch._C._will_engine_execute_node`` says which
+            params' ``AccumulateGrad`` nodes this graph task runs; the slot waits for those.
+            ``param.view_as(param).grad_fn.next_functions[0][0]`` is the node the graph holds
+            (torch keeps a weak reference to it per param), or, for a param outside the graph, a
+            new one that dies at once. A node must not be kept beyond that: it records the
+            param's shape when it is made, and ZeRO-3's partitioned shape is ``[0]``. A slot
+            whose params all drop out keeps waiting for them all: nothing of its call is left for
+            the backward to run, and the end of the backward releases it.
+        """
+        with torch.enable_grad():  # a backward runs with grad mode off: no grad_fn, no node
+            computed = {
+                param for param in self.awaiting_grads
+                if torch._C._will_engine_execute_node(param.view_as(param).grad_fn.next_functions[0][0])
+            }
+        if computed:
+            self.awaiting_grads = computed
+
 
 def _slot_will_open(slot) -> bool:
     return slot.context is None or slot.context.will_open()
@@ -406,6 +430,8 @@ class ModuleInvocationHooks:
         self._enter_backward()
         self._reap()
         self.lifecycle.open_backward(slot)
+        if slot.context is not None and slot.context.awaiting_grads:
+            slot.context.await_only_computed_grads()
         self.params.phase = Phase.BACKWARD.value
         self.offload.pre_sub_module_backward_function(slot.module)
         self.params.hold(slot.module, slot)

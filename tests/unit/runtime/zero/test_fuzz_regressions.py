@@ -58,6 +58,14 @@ EXPERTS_LEAF_INSIDE_A_UNIT = Example(
     model=ModelSpec(stages=(BlockSpec(params="trainable", body="experts", checkpoint="nonreentrant"), )),
     engine=EngineSpec(units=True))
 
+# The same experts, trainable, in a unit whose input needs no grad: the unit's slot waits for its
+# params' gradients, and the experts this rank did not run get none. Fork: the drain at the end of
+# backward released the unit's 8 params (held to the end of the backward); stock runs clean.
+EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD = Example(
+    model=ModelSpec(stages=(BlockSpec(params="trainable", body="experts"), )),
+    schedule=ScheduleSpec(input_grad=False),
+    engine=EngineSpec(units=True))
+
 FIXED = {
     # A slot lives as long as its call's graph (invocation_lifecycle's [Several forwards before a backward]).
     "two_forwards_summed_before_one_backward": TWO_FORWARDS_SUMMED,
@@ -74,6 +82,9 @@ FIXED = {
     "nested_non_reentrant_checkpoints_strict_budget": NESTED_NON_REENTRANT_STRICT,
     # A user's leaf inside a unit keeps the optimizer's leaf reduction (invocation_lifecycle's [Gather units]).
     "experts_leaf_inside_a_gather_unit": EXPERTS_LEAF_INSIDE_A_UNIT,
+    # A slot waits only for the gradients its backward computes (parameter_offload's
+    # [Gradients a backward will not compute]).
+    "experts_not_run_in_a_unit_whose_input_needs_no_grad": EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD,
 }
 PENDING_FAILURES = {}
 
