@@ -151,3 +151,10 @@ def test_a_config_section_with_an_unknown_key_is_refused():
     from zero3_ac.utils.z3_leaf_module import remember_config_setting
     with pytest.raises(ValueError, match=r'takes only "gather_units"'):
         remember_config_setting(torch.nn.Linear(2, 2), {"zero3_ac": {"gather_unit": "off"}})
+
+
+@pytest.mark.parametrize("section", ["off", ["LlamaDecoderLayer"], True])
+def test_a_config_section_that_is_not_a_dict_shows_the_dict_it_takes(section):
+    from zero3_ac.utils.z3_leaf_module import remember_config_setting
+    with pytest.raises(ValueError, match=r'"zero3_ac" section must be a dict such as \{"gather_units": "off"\}'):
+        remember_config_setting(torch.nn.Linear(2, 2), {"zero3_ac": section})
