@@ -66,7 +66,8 @@ def test_importing_deepspeed_activates_the_fork_unless_disabled(tmp_path, disabl
 
 @pytest.mark.parametrize("disable, expected", [("0", "True"), ("1", "False")])
 def test_disabling_in_the_script_before_importing_deepspeed_takes_effect(tmp_path, disable, expected):
-    code = f"import os; os.environ['ZERO3_AC_DISABLE'] = {disable!r}; import deepspeed, zero3_ac; print(zero3_ac.is_active())"
+    code = (f"import os; os.environ['ZERO3_AC_DISABLE'] = {disable!r}; "
+            "import deepspeed, zero3_ac; print(zero3_ac.is_active())")
     assert _last_line(_run_python(tmp_path, code)) == expected
 
 
