@@ -7,11 +7,13 @@ torch must be installed *before* this package (a CPU or CUDA build of your
 choice); install_requires only names it, so pip never picks a build for you.
 
 Auto-activation: ``zero3_ac.pth`` (repo root, one line
-``import zero3_ac._autoload``) is copied by ``build_py`` to the root of the
+``import _zero3_ac_autoload``) is copied by ``build_py`` to the root of the
 build tree, so the wheel places it at the root of site-packages next to the
-``zero3_ac/`` package. Python's ``site`` module executes ``import`` lines of
-``*.pth`` files in site-packages at every interpreter start-up. ``pip
-uninstall`` removes it (it is listed in the wheel's RECORD).
+``zero3_ac/`` package and the stdlib-only ``_zero3_ac_autoload`` module.
+Python's ``site`` module executes ``import`` lines of ``*.pth`` files in
+site-packages at every interpreter start-up; that line imports neither torch
+nor DeepSpeed, it only arranges for the fork to be applied when ``deepspeed``
+is imported. ``pip uninstall`` removes it (it is listed in the wheel's RECORD).
 
 Editable installs (``pip install -e .``) do NOT install the .pth file; use a
 non-editable install (scripts/setup_env.sh does) or import zero3_ac yourself.
@@ -24,6 +26,13 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PTH_FILE = "zero3_ac.pth"
+
+
+def read_version():
+    scope = {}
+    with open(os.path.join(HERE, "zero3_ac", "version.py")) as fd:
+        exec(fd.read(), scope)
+    return scope["__version__"]
 
 
 def fetch_requirements(path):
@@ -58,9 +67,14 @@ class build_py_with_pth(build_py):
 
 setup(
     name="deepspeed-zero3-ac",
-    version="0.1.0",
+    version=read_version(),
     description="Add-on for DeepSpeed ZeRO-3 that patches the upstream engine with a new parameter lifecycle",
+    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     packages=find_packages(include=["zero3_ac", "zero3_ac.*"]),
+    py_modules=["_zero3_ac_autoload"],
     include_package_data=False,
     install_requires=fetch_requirements("requirements/requirements.txt"),
     extras_require={"dev": fetch_requirements("requirements/requirements-dev.txt")},

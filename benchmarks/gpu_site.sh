@@ -5,5 +5,5 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # The installed package's zero3_ac.pth applies the fork in every process; PYTHONPATH entries do not
 # read .pth files, so a sitecustomize does the same here (ZERO3_AC_DISABLE=1 keeps a process stock).
-echo "import zero3_ac._autoload" >/tmp/site/sitecustomize.py
+echo "import _zero3_ac_autoload" >/tmp/site/sitecustomize.py
 export PYTHONPATH=/tmp/site:${FORK_DIR:+$(cd "$FORK_DIR" && pwd):}$PWD

@@ -1,14 +1,39 @@
-"""deepspeed-zero3-ac: a per-invocation parameter lifecycle for DeepSpeed ZeRO-3 under activation checkpointing."""
+"""deepspeed-zero3-ac: a per-invocation parameter lifecycle for DeepSpeed ZeRO-3 under activation checkpointing.
 
-from zero3_ac.activation import DISABLE_ENV, apply, is_active, remove
-from zero3_ac.runtime.zero.accounting import STEP_LOG_ENV, set_step_logging
-from zero3_ac.utils.z3_leaf_module import set_gather_units
-from zero3_ac.version_guard import SUPPORTED_RANGE, UnsupportedDeepSpeedVersion
+Importing the package is cheap (stdlib only): the names below load their modules, and with them
+torch and DeepSpeed, on first use (PEP 562).
+"""
 
-__version__ = "0.1.0"
+import importlib
 
-__all__ = ["apply", "remove", "is_active", "lifecycle_stats", "set_gather_units", "set_step_logging", "DISABLE_ENV",
-           "STEP_LOG_ENV", "SUPPORTED_RANGE", "UnsupportedDeepSpeedVersion", "__version__"]
+from zero3_ac.version import __version__
+
+_EXPORTS = {
+    "apply": "zero3_ac.activation",
+    "remove": "zero3_ac.activation",
+    "is_active": "zero3_ac.activation",
+    "DISABLE_ENV": "zero3_ac.activation",
+    "set_gather_units": "zero3_ac.utils.z3_leaf_module",
+    "set_step_logging": "zero3_ac.runtime.zero.accounting",
+    "STEP_LOG_ENV": "zero3_ac.runtime.zero.accounting",
+    "SUPPORTED_RANGE": "zero3_ac.version_guard",
+    "UnsupportedDeepSpeedVersion": "zero3_ac.version_guard",
+}
+
+__all__ = [*_EXPORTS, "lifecycle_stats", "__version__"]
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'zero3_ac' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})
 
 
 def lifecycle_stats(engine):

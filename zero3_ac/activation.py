@@ -3,6 +3,15 @@
 The fork replaces methods on upstream classes, so it covers every engine created while it is
 active. Engines created before :func:`apply` keep stock hooks (their module hooks are already
 registered); engines created while it was active keep the fork's hooks after :func:`remove`.
+
+Note: [Changes that reach beyond ZeRO-3]
+    :func:`apply` patches only what ZeRO-3 alone runs (its offload, coordinator, optimizer, linear
+    and debug printing) plus two ``DeepSpeedEngine`` wrappers that act only on ZeRO-3 setups. The
+    changes that every engine or module in the process would see wait until the fork takes over the
+    first ZeRO-3 engine's modules (:func:`_process_wide_patches`, torch's module registration
+    hooks in ``module_tree``): a process that only runs ZeRO-0/1/2 or inference engines keeps
+    DeepSpeed's NVTX ranges, its accelerator's ``current_stream`` and torch's module registration
+    untouched. docs/side-effects.md lists every change.
 """
 
 import os
@@ -14,6 +23,7 @@ DISABLE_ENV = "ZERO3_AC_DISABLE"
 
 _lock = threading.Lock()
 _originals = {}
+_process_wide = []  # True once the process-wide changes are in (see [Changes that reach beyond ZeRO-3])
 _INHERITED = object()  # a patched name the owner did not define itself (it came from a base class)
 
 
@@ -35,17 +45,14 @@ def _wrapping(owner, name, fork_function):
 
 
 def _patches():
-    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.linear import LinearFunctionForZeroStage3
     from deepspeed.runtime.zero import parameter_offload as stock_parameter_offload
     from deepspeed.runtime.zero import partition_parameters as stock_partition_parameters
     from deepspeed.runtime.zero import partitioned_param_coordinator as stock_coordinator
     from deepspeed.runtime.zero import stage3 as stock_stage3
-    from deepspeed.utils import nvtx as stock_nvtx
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from zero3_ac.accelerator import cuda_accelerator as fork_cuda_accelerator
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import borrowed_params
     from zero3_ac.runtime.zero import linear as fork_linear
@@ -54,9 +61,9 @@ def _patches():
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
     from zero3_ac.runtime.zero import stage3_gradients
-    from zero3_ac.utils import nvtx
 
     def _register_deepspeed_module(self, module, count=[0]):
+        _start_process_wide_changes()
         fork.register_deepspeed_module(self, module)
 
     patches = [
@@ -65,7 +72,6 @@ def _patches():
         (stock_parameter_offload, "register_external_parameter", borrowed_params.register_external_parameter),
         *((module, "iter_params", fork_coordinator.cached_iter_params)
           for module in (stock_coordinator, stock_parameter_offload)),
-        (CUDA_Accelerator, "current_stream", fork_cuda_accelerator.current_stream),
         *((module, "print_rank_0", fork_partition_parameters.print_rank_0_checking_flags_first(module.print_rank_0))
           for module in (stock_partition_parameters, stock_stage3)),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
@@ -79,11 +85,42 @@ def _patches():
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
                                  stage3_gradients.finalize_gradient_accumulation_boundary))
-    if not nvtx.ranges_requested():
-        patches.append((stock_nvtx, "enable_nvtx", False))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches
+
+
+def _process_wide_patches():
+    """What every engine in the process sees: applied with the first ZeRO-3 engine the fork takes over."""
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from deepspeed.utils import nvtx as stock_nvtx
+    from zero3_ac.accelerator import cuda_accelerator as fork_cuda_accelerator
+    from zero3_ac.utils import nvtx
+
+    patches = [(CUDA_Accelerator, "current_stream", fork_cuda_accelerator.current_stream)]
+    if not nvtx.ranges_requested():
+        patches.append((stock_nvtx, "enable_nvtx", False))
+    return patches
+
+
+def _install(patches) -> None:
+    for owner, name, replacement in patches:
+        _originals[(owner, name)] = owner.__dict__.get(name, _INHERITED)
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+
+
+def _start_process_wide_changes() -> None:
+    """Called as the fork takes over a ZeRO-3 engine's modules: the first time, make the process-wide changes."""
+    if _process_wide:
+        return
+    from zero3_ac.utils import module_tree
+    with _lock:
+        if _process_wide or not _originals:
+            return
+        _install(_process_wide_patches())
+        module_tree.start_counting()
+        _process_wide.append(True)
 
 
 def _existing_engines() -> int:
@@ -95,17 +132,13 @@ def apply() -> None:
     """Install the per-invocation lifecycle into DeepSpeed's ZeRO-3 engine. Idempotent."""
     version = version_guard.check_supported()
     from deepspeed.utils import logger
-    from zero3_ac.utils import module_tree
     with _lock:
         if _originals:
             return
-        patches = _patches()
-        for owner, name, replacement in patches:
-            _originals[(owner, name)] = owner.__dict__.get(name, _INHERITED)
-        for owner, name, replacement in patches:
-            setattr(owner, name, replacement)
-        module_tree.start_counting()
+        _install(_patches())
         existing = _existing_engines()
+    if not version_guard.is_supported(version):
+        logger.warning(version_guard.untested_warning(version))
     if existing:
         logger.warning(f"zero3_ac: applied to deepspeed {version} after {existing} ZeRO-3 engine(s) were created; "
                        "those keep stock behaviour, engines created from now on use the per-invocation lifecycle.")
@@ -118,6 +151,7 @@ def remove() -> None:
     from zero3_ac.utils import module_tree
     with _lock:
         module_tree.stop_counting()
+        _process_wide.clear()
         for (owner, name), original in _originals.items():
             if original is _INHERITED:
                 delattr(owner, name)
@@ -132,7 +166,7 @@ def auto_apply() -> None:
         return
     version = version_guard.installed_deepspeed_version()
     from deepspeed.utils import logger
-    if not version_guard.is_supported(version):
+    if not version_guard.can_apply(version):
         logger.warning(version_guard.unsupported_message(version) + " zero3_ac left DeepSpeed unchanged.")
         return
     try:

@@ -63,8 +63,10 @@ def remember_config_setting(model, param_dict) -> None:
     if section is None:
         model.__dict__.pop(_CONFIG_ATTR, None)
         return
-    unknown = set(section) - {CONFIG_KEY} if isinstance(section, dict) else None
-    if unknown is None or unknown:
+    if not isinstance(section, dict):
+        raise ValueError(f"zero3_ac: the DeepSpeed config's \"{CONFIG_SECTION}\" section must be a dict such as "
+                         f"{{\"{CONFIG_KEY}\": \"off\"}}, got {section!r}")
+    if set(section) - {CONFIG_KEY}:
         raise ValueError(f"zero3_ac: the DeepSpeed config's \"{CONFIG_SECTION}\" section takes only "
                          f"\"{CONFIG_KEY}\", got {section!r}")
     if CONFIG_KEY in section:

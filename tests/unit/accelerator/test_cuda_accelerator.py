@@ -18,9 +18,11 @@ def test_no_device_names_the_current_stream_of_the_current_device():
     assert current_stream(None) == torch.cuda.current_stream() != side
 
 
-def test_the_installed_accelerator_uses_it_while_the_fork_is_active():
+def test_the_installed_accelerator_uses_it_once_the_fork_runs_a_zero3_engine():
     import zero3_ac
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from zero3_ac import activation
     if not zero3_ac.is_active():
         pytest.skip("the fork is not active (ZERO3_AC_DISABLE)")
+    activation._start_process_wide_changes()  # what the fork's first ZeRO-3 engine does
     assert CUDA_Accelerator.current_stream is current_stream

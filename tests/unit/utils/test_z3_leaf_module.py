@@ -160,3 +160,10 @@ def test_a_class_name_that_no_module_of_the_model_has_is_refused_with_the_models
     zero3_ac.set_gather_units(model, ["NoSuchLayer", "Linear"])
     with pytest.raises(ValueError, match=r"\['NoSuchLayer'\].*\['Linear', 'Sequential'\]"):
         mark_gather_units(model, max_live_numel=10**9)
+
+
+@pytest.mark.parametrize("section", ["off", ["LlamaDecoderLayer"], True])
+def test_a_config_section_that_is_not_a_dict_shows_the_dict_it_takes(section):
+    from zero3_ac.utils.z3_leaf_module import remember_config_setting
+    with pytest.raises(ValueError, match=r'"zero3_ac" section must be a dict such as \{"gather_units": "off"\}'):
+        remember_config_setting(torch.nn.Linear(2, 2), {"zero3_ac": section})
