@@ -1,0 +1,42 @@
+"""Note: [Adapter dtypes under ZeRO-3 bf16] (benchmarks/dtypes.py), on the real engine: with a bf16 config,
+PEFT's fp32 LoRA adapters stay fp32 (param, partition and compute) when the base was built under
+``zero.Init``, and are cast to bf16 with everything else when it was not. Upstream's semantics: the same
+on stock DeepSpeed (``--stock``) and the fork."""
+
+import os
+import sys
+
+import pytest
+
+from tests.unit.common import run_distributed
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+
+
+def _dtypes_after_initialize(zero_init):
+    import deepspeed
+    import torch
+    sys.path.insert(0, BENCHMARKS)
+    from dtypes import ComputeDtypes
+    from workload import build_model, zero3_config
+    config = zero3_config("cpu", 1, torch.bfloat16)
+    model = build_model("tiny", "nonreentrant", False, torch.bfloat16, ds_config=config if zero_init else None)
+    trainable = [param for param in model.parameters() if param.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-4), config=config)
+    stored = {}
+    for name, param in engine.module.named_parameters():
+        if "layers.0.self_attn.q_proj." in name:
+            role = "adapter" if ".lora_" in name else "base"
+            stored.setdefault(role, set()).update({str(param.dtype), str(param.ds_tensor.dtype)})
+    compute = ComputeDtypes(engine.module)
+    ids = torch.randint(0, 512, (1, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    return {role: sorted(dtypes) for role, dtypes in stored.items()}, compute.take()
+
+
+@pytest.mark.parametrize("zero_init, adapter", [(True, "float32"), (False, "bfloat16")])
+def test_bf16_engine_keeps_peft_adapters_fp32_only_under_zero_init(zero_init, adapter):
+    [(stored, compute)] = run_distributed(1, _dtypes_after_initialize, zero_init)
+    assert stored == {"adapter": [f"torch.{adapter}"], "base": ["torch.bfloat16"]}
+    assert compute == {"adapter": adapter, "base": "bfloat16"}
