@@ -194,7 +194,10 @@ def chart(systems, pairs, path):
         errors = [[entry["step_s"] - entry["step_s_low"] if entry else 0 for entry in found],
                   [entry["step_s_high"] - entry["step_s"] if entry else 0 for entry in found]]
         positions = [i + (index - (len(labels) - 1) / 2) * width for i in range(len(configs))]
-        left.bar(positions, values, width=width, yerr=errors, capsize=3, label=label)
+        system = label.split("#")[0]
+        left.bar(positions, values, width=width, yerr=errors, capsize=3, label=label,
+                 color=f"C{SYSTEM_ORDER.index(system)}", hatch="//" if system != label else None,
+                 edgecolor="white" if system != label else None)
     left.set_xticks(range(len(configs)))
     left.set_xticklabels(configs, fontsize=8)
     left.set_ylabel("step time s (median, 95% CI)")
