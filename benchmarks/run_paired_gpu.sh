@@ -4,8 +4,8 @@
 # then the Llama-3-8B shape with the time that is left (benchmarks/peers.py --paired, benchmarks/paired.py).
 # Needs the wheels of scripts/fetch_gpu_wheels.sh in .whl (carried; bitsandbytes is not used here).
 #   bash benchmarks/run_paired_gpu.sh [OUTDIR]        (OUTDIR defaults to $OUT)
-# Settings (environment): TOTAL_S (default 540) seconds in all; STEPS (60) measured steps per system per round;
-# BLOCK (5) steps per turn; ROUNDS_11B (3); BUDGET_11B (230) seconds after which no 1.1B round starts;
+# Settings (environment): TOTAL_S (default 540) seconds in all; STEPS_11B (60) and STEPS_8B (40) measured steps per
+# system per round; BLOCK (5) steps per turn; ROUNDS_11B (3); BUDGET_11B (230) seconds after which no 1.1B round starts;
 # ROUNDS_8B (2); ROUND_8B_S (190) how long an 8B round is expected to take (none starts without that much left).
 # Writes OUTDIR/README.md (machine, versions, commands, A/A verdicts, wall time), OUTDIR/paired.log, and per shape
 # runs.jsonl, settings.json and README.md (8 files: what a device call brings back). The charts are left out;
@@ -15,10 +15,8 @@ OUTDIR=${1:-$OUT}
 START=$SECONDS
 source benchmarks/gpu_site.sh
 mkdir -p "$OUTDIR/1.1b" "$OUTDIR/8b"
-STEPS=${STEPS:-60}
-BLOCK=${BLOCK:-5}
-common="--paired --device cuda --systems plain,fsdp2,fork --aa fork --modes lora --ac nonreentrant --steps $STEPS \
---block $BLOCK --warmup 3 --timeout-s 300"
+common="--paired --device cuda --systems plain,fsdp2,fork --aa fork --modes lora --ac nonreentrant --block ${BLOCK:-5} \
+--warmup 3 --timeout-s 300"
 {
     echo "# Paired rounds, 1xH200: fork against FSDP2, plain PyTorch and itself (A/A)"
     echo
@@ -33,10 +31,10 @@ run() {
     echo "    python3 benchmarks/peers.py $*" >>"$OUTDIR/README.md"
     python3 benchmarks/peers.py "$@" 2>&1 | grep -v -i warn | tee -a "$OUTDIR/paired.log"
 }
-run $common --shape 1.1b --rounds "${ROUNDS_11B:-3}" --budget-s "${BUDGET_11B:-230}" --out "$OUTDIR/1.1b"
+run $common --shape 1.1b --steps "${STEPS_11B:-60}" --rounds "${ROUNDS_11B:-3}" --budget-s "${BUDGET_11B:-230}" --out "$OUTDIR/1.1b"
 left=$((${TOTAL_S:-540} - (SECONDS - START)))
 if ((left >= ${ROUND_8B_S:-190})); then
-    run $common --shape 8b --rounds "${ROUNDS_8B:-2}" --budget-s $((left - ${ROUND_8B_S:-190})) --out "$OUTDIR/8b"
+    run $common --shape 8b --steps "${STEPS_8B:-40}" --rounds "${ROUNDS_8B:-2}" --budget-s $((left - ${ROUND_8B_S:-190})) --out "$OUTDIR/8b"
 else
     echo "8B skipped: $left s left" | tee -a "$OUTDIR/paired.log"
 fi
