@@ -1,15 +1,17 @@
 """What dtypes a benchmarked system stores its params in and computes in, for the results rows.
 
 Note: [Adapter dtypes under ZeRO-3 bf16]
-PEFT creates LoRA adapters in fp32 (``autocast_adapter_dtype``) on a bf16 base. ``deepspeed.initialize``
-with ``"bf16": {"enabled": true}`` casts every param to bf16 only when the model was built outside
-``zero.Init``; for a model built under ``zero.Init`` (what transformers' ``from_pretrained`` does under
-ZeRO-3, and what the GPU benchmarks do) it casts nothing, and ``_convert_to_zero_parameters`` partitions
-the adapters as they are: ``param.dtype`` and ``param.ds_tensor.dtype`` fp32, and the adapters' matmuls
-run in fp32 (PEFT casts the layer input to the adapter weight's dtype). Stock DeepSpeed and the fork
-behave the same (tests/benchmarks/test_adapter_dtypes.py). So every system of the benchmark keeps PEFT's
-fp32 adapters on the bf16 base, and FSDP2 casts no param for compute (a ``param_dtype`` would run the
-adapters in bf16).
+PEFT creates LoRA adapters in fp32 (``autocast_adapter_dtype``) on a bf16 base. With
+``"bf16": {"enabled": true}``, DeepSpeed 0.19.8's ``deepspeed.initialize`` casts the params to bf16 only
+when the model was built outside ``zero.Init`` (``_cast_module_mixed_precision``); for a model built under
+``zero.Init`` (what transformers' ``from_pretrained`` does under ZeRO-3, and what the GPU benchmarks do) it
+casts nothing, and ``_convert_to_zero_parameters`` partitions the adapters as they are: ``param.dtype``
+and ``param.ds_tensor.dtype`` fp32, and the adapters' matmuls run in fp32 (PEFT casts the layer input to
+the adapter weight's dtype). DeepSpeed 0.18.5 calls ``module.bfloat16()`` instead, adapters included,
+``zero.Init`` or not. Stock DeepSpeed and the fork behave the same (tests/benchmarks/test_adapter_dtypes.py).
+The benchmarks therefore keep PEFT's fp32 adapters on the bf16 base for plain PyTorch and FSDP2 too, and
+FSDP2 casts no param for compute (a ``param_dtype`` would run the adapters in bf16): like for like with
+ZeRO-3 on 0.19.8. Every row records what each system stored and computed in.
 """
 
 import collections
