@@ -151,7 +151,8 @@ def measure():
         return dict(fork_active=zero3_ac.is_active(), versions=versions(), counters=counters)
     finally:
         torch.distributed.destroy_process_group()
-        shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_0"
+        address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_0"
         if os.path.exists(shm):
             os.remove(shm)
 

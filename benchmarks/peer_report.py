@@ -47,14 +47,16 @@ Definitions (rank 0 unless said otherwise):
 
 Where the peers' settings differ:
 - plain: the same PEFT model and checkpointing on one device, no sharding, world size 1 only; torch AdamW
-  on the trainable params in the model's dtype (on GPU bf16: bf16 optimizer state, no fp32 master weights);
-  `clip_grad_norm_(1.0)`; the LoRA adapters are cast to bf16 with the model (PEFT alone keeps them fp32).
+  on the trainable params in their own dtype; `clip_grad_norm_(1.0)`. The base in the run's dtype, PEFT's
+  LoRA adapters fp32 (stored, updated and computed in fp32) as under ZeRO-3 with DeepSpeed 0.19.8
+  (Note: [Adapter dtypes under ZeRO-3 bf16] in benchmarks/dtypes.py; runs before 2026-12-02 cast the
+  adapters to bf16 for plain and FSDP2: their rows say "not recorded").
 - fsdp2: as plain, then `fully_shard` on every `LlamaDecoderLayer` and on the root, after PEFT wrapping,
-  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)` on bf16 params: sharded params, gradients
-  and AdamW state all bf16, no fp32 master weights; gradient reduce in bf16.
+  `MixedPrecisionPolicy()` (no cast: every param computes in its own dtype, gradients reduced in it). The
+  full fine-tune: params, gradients and AdamW state bf16 on GPU, no fp32 master weights.
 - stock / fork: DeepSpeed ZeRO-3 with its defaults, `bf16.enabled` on GPU: fp32 master weights and fp32
-  AdamW state for the trainable params (frozen params bf16 only), torch AdamW as the client optimizer,
-  `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
+  AdamW state for the trainable params (frozen params bf16 only; LoRA adapters fp32 on 0.19.8), torch
+  AdamW as the client optimizer, `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
   `stage3_param_persistence_threshold 0`. Stock and fork differ only in `ZERO3_AC_DISABLE=1`.
   For the full fine-tune that is 16 bytes per param of optimizer-side state against 8 for plain and FSDP2.
 - qlora (every system): the base is loaded by transformers in 4 bits (bitsandbytes NF4, bf16 quant storage,
@@ -67,6 +69,8 @@ Where the peers' settings differ:
   and `param_dtype` bf16 (the policy casts the packed weights too, and any other dtype breaks their packing),
   so on CPU FSDP2's QLoRA runs its unquantized layers and adapters in bf16 where the others run fp32.
 - On CPU everything is fp32 (no mixed precision), gloo; QLoRA's 4-bit layers compute in fp32.
+- Param dtypes / computes in: the elements of trainable and frozen params by dtype, and the output dtype
+  of the first LoRA `lora_A` linear and of the first base linear in the first step.
 - All: AdamW lr 1e-4, random token ids (the same seed per rank for every system), labels = inputs.
 """
 
@@ -115,7 +119,7 @@ def _number(value, digits):
 def markdown(rows):
     lines = ["| shape | world | mode | checkpointing | system | step s median (min-max; rounds) | tokens/s | peak GiB "
              "| all-gather calls / GiB per step | ZeRO gathered GiB fwd/rec/bwd | module calls/step "
-             "| host us/module call | param dtypes | computes in |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host us/module call | param dtypes | computes in |", "|---" * 14 + "|"]
     for row in rows:
         head = f"| {row['shape']} | {row['world']} | {row['mode']} | {row['ac']} | {row['system']} |"
         if "step_s" not in row:
