@@ -101,19 +101,23 @@ def paired_ratios(rows, config, first, second):
     return ratios
 
 
+def pair_list(labels, reference):
+    """(first, second): ``reference`` against every other label (its A/A copy included), then every two other
+    systems, the later in SYSTEM_ORDER first (fsdp2 / plain)."""
+    pairs = [(reference, other) for other in labels if other != reference] if reference in labels else []
+    others = [label for label in labels if label != reference and "#" not in label]
+    return pairs + [(later, earlier) for index, earlier in enumerate(others) for later in others[index + 1:]]
+
+
 def pairs_summary(rows, reference):
-    """Per configuration: ``reference`` against every other label (its A/A copy included)."""
+    """Per configuration and pair of :func:`pair_list`: the median paired ratio, its interval, the A/A verdict."""
     summary = []
     for config in configurations(rows):
         labels = label_order(dict.fromkeys(row["label"] for row in rows if _key(row) == config))
-        if reference not in labels:
-            continue
-        for other in labels:
-            if other == reference:
-                continue
-            ratios = paired_ratios(rows, config, reference, other)
-            entry = dict(zip(("shape", "world", "mode", "ac"), config), first=reference, second=other,
-                         pairs=len(ratios), aa=other.split("#")[0] == reference)
+        for first, second in pair_list(labels, reference):
+            ratios = paired_ratios(rows, config, first, second)
+            entry = dict(zip(("shape", "world", "mode", "ac"), config), first=first, second=second,
+                         pairs=len(ratios), aa=second.split("#")[0] == first)
             if ratios:
                 low, high = bootstrap_median(ratios)
                 entry.update(ratio=statistics.median(ratios), low=low, high=high)

@@ -46,3 +46,8 @@ def test_bootstrap_interval_holds_the_median_and_is_deterministic():
     low, high = paired_report.bootstrap_median(values)
     assert low < numpy.median(values) < high
     assert (low, high) == paired_report.bootstrap_median(values)
+
+
+def test_pairs_are_the_reference_against_each_other_then_the_other_systems():
+    assert paired_report.pair_list(["plain", "fsdp2", "fork", "fork#2"], "fork") == [
+        ("fork", "plain"), ("fork", "fsdp2"), ("fork", "fork#2"), ("fsdp2", "plain")]
