@@ -17,13 +17,14 @@ compute in (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py).
 
 Paired rounds (``--paired``, paired.py), to compare systems within a few percent:
 
-    python benchmarks/peers.py --paired --device cuda --shape 1.1b --systems plain,fsdp2,fork --aa fork \
+    python benchmarks/peers.py --paired --device cuda --shape 1.1b --systems plain,fsdp2,fork --aa fork \\
         --modes lora --ac nonreentrant --steps 40 --block 5 --rounds 2 --out $OUT/1.1b
 
 every system of a configuration runs at once in its own fresh processes (a round), and they take turns
 running ``--block`` steps; ``--steps`` measured steps each per round (default 40). Options of this mode:
 ``--aa SYSTEM`` adds a second copy of SYSTEM (label ``SYSTEM#2``, its own processes) for an A/A check;
-``--reference SYSTEM`` (default fork, else the first of ``--systems``) is the numerator of every ratio;
+``--reference SYSTEM`` (default fork, else the first of ``--systems``) is the numerator of its ratio to every
+other system (the others are paired too, the later in plain, fsdp2, stock, fork over the earlier);
 ``--block N`` (default 5). Writes runs.jsonl (one row per system per round, every step time), settings.json,
 README.md (median paired ratio per pair with a bootstrap interval, whether the A/A interval lies inside
 [0.97, 1.03]) and paired.png; ``paired_report.py`` rewrites the last two. ``--budget-s`` and ``--rounds``
