@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from dtypes import ComputeDtypes, param_dtypes
-from peer_worker import ZERO_SYSTEMS, PeakMemory, setup
+from peer_worker import ZERO_SYSTEMS, PeakMemory, remove_shm_buffer, setup
 from spawn import rank_environment
 from workload import MODELS
 
@@ -96,6 +96,7 @@ def serve(rank, world_size, port, args, connection):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        remove_shm_buffer(rank)
 
 
 class System:

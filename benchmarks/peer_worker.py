@@ -6,6 +6,7 @@ differ only in ``ZERO3_AC_DISABLE`` in the process environment: the installed pa
 applies the fork when DeepSpeed is imported unless it is set; the worker checks which one ran.
 """
 
+import os
 import statistics
 import time
 import warnings
@@ -270,3 +271,12 @@ def worker(rank, world_size, port, args, queue):
     queue.put((rank, result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    remove_shm_buffer(rank)
+
+
+def remove_shm_buffer(rank):
+    """Delete the /dev/shm segment (66 MB) that DeepSpeed's CPU comm op creates for this rank and never removes."""
+    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{rank}")
+    if os.path.exists(path):
+        os.remove(path)
