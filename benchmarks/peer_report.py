@@ -1,6 +1,12 @@
 """The peer benchmark's summary: medians over rounds, a markdown table with definitions, a PNG chart.
 
     python benchmarks/peer_report.py RESULTS_DIR      # rewrites README.md and peers.png from results.json
+    python benchmarks/peer_report.py --png docs/img/peers-1xh200.png --title "1xH200" \
+        DIR_A "DIR_B=walks tree" ...                  # one chart of several results, each optionally labelled
+
+The second form draws the step time of every system in every configuration of the given results
+(a results.json or runs.jsonl in each directory), the bar at the median of the run medians, the whisker
+from the fastest to the slowest measured step of those runs, and prints the table; it writes nothing else.
 """
 
 import argparse
@@ -8,7 +14,10 @@ import json
 import os
 import statistics
 
+from dtypes import describe
+
 SYSTEM_ORDER = ("plain", "fsdp2", "stock", "fork")
+MODE_ORDER = ("lora", "qlora", "full")
 
 NOTES = """\
 Definitions (rank 0 unless said otherwise):
@@ -38,14 +47,16 @@ Definitions (rank 0 unless said otherwise):
 
 Where the peers' settings differ:
 - plain: the same PEFT model and checkpointing on one device, no sharding, world size 1 only; torch AdamW
-  on the trainable params in the model's dtype (on GPU bf16: bf16 optimizer state, no fp32 master weights);
-  `clip_grad_norm_(1.0)`; the LoRA adapters are cast to bf16 with the model (PEFT alone keeps them fp32).
+  on the trainable params in their own dtype; `clip_grad_norm_(1.0)`. The base in the run's dtype, PEFT's
+  LoRA adapters fp32 (stored, updated and computed in fp32) as under ZeRO-3 with DeepSpeed 0.19.8
+  (Note: [Adapter dtypes under ZeRO-3 bf16] in benchmarks/dtypes.py; runs before 2026-12-02 cast the
+  adapters to bf16 for plain and FSDP2: their rows say "not recorded").
 - fsdp2: as plain, then `fully_shard` on every `LlamaDecoderLayer` and on the root, after PEFT wrapping,
-  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)` on bf16 params: sharded params, gradients
-  and AdamW state all bf16, no fp32 master weights; gradient reduce in bf16.
+  `MixedPrecisionPolicy()` (no cast: every param computes in its own dtype, gradients reduced in it). The
+  full fine-tune: params, gradients and AdamW state bf16 on GPU, no fp32 master weights.
 - stock / fork: DeepSpeed ZeRO-3 with its defaults, `bf16.enabled` on GPU: fp32 master weights and fp32
-  AdamW state for the trainable params (frozen params bf16 only), torch AdamW as the client optimizer,
-  `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
+  AdamW state for the trainable params (frozen params bf16 only; LoRA adapters fp32 on 0.19.8), torch
+  AdamW as the client optimizer, `gradient_clipping 1.0`, params created partitioned (`zero.Init`) on GPU; on CPU
   `stage3_param_persistence_threshold 0`. Stock and fork differ only in `ZERO3_AC_DISABLE=1`.
   For the full fine-tune that is 16 bytes per param of optimizer-side state against 8 for plain and FSDP2.
 - qlora (every system): the base is loaded by transformers in 4 bits (bitsandbytes NF4, bf16 quant storage,
@@ -58,6 +69,8 @@ Where the peers' settings differ:
   and `param_dtype` bf16 (the policy casts the packed weights too, and any other dtype breaks their packing),
   so on CPU FSDP2's QLoRA runs its unquantized layers and adapters in bf16 where the others run fp32.
 - On CPU everything is fp32 (no mixed precision), gloo; QLoRA's 4-bit layers compute in fp32.
+- Param dtypes / computes in: the elements of trainable and frozen params by dtype, and the output dtype
+  of the first LoRA `lora_A` linear and of the first base linear in the first step.
 - All: AdamW lr 1e-4, random token ids (the same seed per rank for every system), labels = inputs.
 """
 
@@ -69,7 +82,7 @@ def summarize(runs):
         key = (run["shape"], run["world"], run["system"], run["mode"], run["ac"])
         groups.setdefault(key, []).append(run)
     rows = []
-    for key in sorted(groups, key=lambda k: (k[0], k[1], k[3], k[4], SYSTEM_ORDER.index(k[2]))):
+    for key in sorted(groups, key=lambda k: (k[0], k[1], MODE_ORDER.index(k[3]), k[4], SYSTEM_ORDER.index(k[2]))):
         shape, world, system, mode, ac = key
         ok = [run for run in groups[key] if not run["error"]]
         row = dict(shape=shape, world=world, system=system, mode=mode, ac=ac, runs=len(groups[key]),
@@ -87,7 +100,10 @@ def summarize(runs):
                        allgather_calls=median("allgather_calls_per_step"),
                        allgather_gib=median("allgather_gib_per_step"),
                        module_calls=median("module_calls_per_step"), busy_s=median("busy_s"),
-                       host_us_per_module_call=median("host_us_per_module_call"))
+                       host_us_per_module_call=median("host_us_per_module_call"),
+                       step_s_fastest=min(min(run["step_s"]) for run in ok),
+                       step_s_slowest=max(max(run["step_s"]) for run in ok),
+                       param_dtypes=ok[0].get("param_dtypes"), compute_dtypes=ok[0].get("compute_dtypes"))
             phases = [run["zero_gathered_gib_by_phase"] for run in ok if "zero_gathered_gib_by_phase" in run]
             if phases:
                 row["zero_gathered_gib_by_phase"] = {phase: statistics.median(p[phase] for p in phases)
@@ -103,11 +119,11 @@ def _number(value, digits):
 def markdown(rows):
     lines = ["| shape | world | mode | checkpointing | system | step s median (min-max; rounds) | tokens/s | peak GiB "
              "| all-gather calls / GiB per step | ZeRO gathered GiB fwd/rec/bwd | module calls/step "
-             "| host us/module call |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| host us/module call | param dtypes | computes in |", "|---" * 14 + "|"]
     for row in rows:
         head = f"| {row['shape']} | {row['world']} | {row['mode']} | {row['ac']} | {row['system']} |"
         if "step_s" not in row:
-            lines.append(f"{head} error: {'; '.join(row['errors'])} | | | | | | |")
+            lines.append(f"{head} error: {'; '.join(row['errors'])} | | | | | | | | |")
             continue
         phases = row.get("zero_gathered_gib_by_phase")
         gathered = ("/".join(f"{phases.get(p, 0.0):.4g}" for p in ("forward", "recompute", "backward"))
@@ -116,8 +132,17 @@ def markdown(rows):
         lines.append(f"{head} {row['step_s']:.4f} ({row['step_s_min']:.4f}-{row['step_s_max']:.4f}; "
                      f"{len(row['step_s_rounds'])}){note} | {row['tokens_per_s']:.0f} | {row['peak_mem_gib']:.3f} | "
                      f"{row['allgather_calls']:.0f} / {row['allgather_gib']:.4g} | {gathered} | "
-                     f"{_number(row['module_calls'], 0)} | {_number(row['host_us_per_module_call'], 1)} |")
+                     f"{_number(row['module_calls'], 0)} | {_number(row['host_us_per_module_call'], 1)} | "
+                     f"{_dtypes(row)} |")
     return "\n".join(lines)
+
+
+def _dtypes(row):
+    """"param dtypes | computes in" cells; "not recorded" for runs from before they were."""
+    if not row.get("param_dtypes"):
+        return "not recorded | not recorded"
+    compute = ", ".join(f"{role} {dtype}" for role, dtype in (row.get("compute_dtypes") or {}).items())
+    return f"{describe(row['param_dtypes'])} | {compute}"
 
 
 def line(run):
@@ -140,7 +165,7 @@ def readme(document):
             f"Environment: {versions}.\n\nModel `{settings['model']}`, sequence {settings['seq']}, micro-batch "
             f"{settings['mbs']} per rank, {settings['warmup']} warm-up + {settings['steps']} measured steps per run, "
             f"{settings['rounds']} round(s) asked, world sizes {settings['world']}. Raw runs: results.json; "
-            f"chart: peers.png.\n\n{markdown(document['summary'])}\n\n{NOTES}")
+            f"chart: peers.png.\n\n{markdown(document['summary'])}\n\n{document.get('notes', NOTES)}")
 
 
 def chart(rows, path):
@@ -174,16 +199,80 @@ def chart(rows, path):
     plt.close(figure)
 
 
+SHAPE_NAMES = {"1.1b": "1.1B", "8b": "8B", "small": "small"}
+MODE_NAMES = {"lora": "LoRA", "full": "full FT", "qlora": "QLoRA"}
+
+
+def load_runs(directory):
+    """The runs of a results directory: results.json's, else runs.jsonl's lines."""
+    path = os.path.join(directory, "results.json")
+    if os.path.exists(path):
+        with open(path) as source:
+            return json.load(source)["runs"]
+    with open(os.path.join(directory, "runs.jsonl")) as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def configuration_name(row, label=None):
+    world = f" w{row['world']}" if row["world"] > 1 else ""
+    name = (f"{SHAPE_NAMES.get(row['shape'], row['shape'])}{world} {MODE_NAMES.get(row['mode'], row['mode'])}\n"
+            f"{row['ac'].replace('nonreentrant', 'non-reentrant')}")
+    return f"{name}\n({label})" if label else name
+
+
+def figure(sources, path, title):
+    """One chart of the step times in several results: ``sources`` is [(directory, label or None)]."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [(configuration_name(row, label), row) for directory, label in sources
+            for row in summarize(load_runs(directory)) if "step_s" in row]
+    groups = list(dict.fromkeys(name for name, _ in rows))
+    systems = [system for system in SYSTEM_ORDER if any(row["system"] == system for _, row in rows)]
+    width = 0.8 / max(len(systems), 1)
+    plot, axis = plt.subplots(figsize=(max(7.0, 1.9 * len(groups)), 4.8))
+    for index, system in enumerate(systems):
+        for position, group in enumerate(groups):
+            row = next((row for name, row in rows if name == group and row["system"] == system), None)
+            if row is None:
+                continue
+            x = position + (index - (len(systems) - 1) / 2) * width
+            errors = [[row["step_s"] - row["step_s_fastest"]], [row["step_s_slowest"] - row["step_s"]]]
+            axis.bar(x, row["step_s"], width=width, color=f"C{SYSTEM_ORDER.index(system)}", yerr=errors, capsize=2,
+                     error_kw=dict(linewidth=0.8), label=system if position == next(
+                         i for i, g in enumerate(groups) if any(n == g and r["system"] == system for n, r in rows))
+                     else None)
+            axis.annotate(f"{row['step_s']:.3f}", (x, row["step_s_slowest"]), textcoords="offset points",
+                          xytext=(0, 2), ha="center", fontsize=6.5)
+    axis.set_xticks(range(len(groups)))
+    axis.set_xticklabels(groups, fontsize=8)
+    axis.set_ylabel("step time s")
+    axis.set_title(f"{title}\nbar: median of the runs' median step; whisker: fastest to slowest measured step",
+                   fontsize=9)
+    axis.legend(fontsize=8)
+    plot.tight_layout()
+    plot.savefig(path, dpi=120)
+    plt.close(plot)
+    return [row for _, row in rows]
+
+
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("results_dir")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", help="results directories; with --png, each may end in =LABEL")
+    parser.add_argument("--png", help="draw one chart of all the results here, and write nothing else")
+    parser.add_argument("--title", default="")
     args = parser.parse_args()
-    with open(os.path.join(args.results_dir, "results.json")) as source:
+    if args.png:
+        sources = [(text.split("=", 1)[0], text.split("=", 1)[1] if "=" in text else None) for text in args.results]
+        print(markdown(figure(sources, args.png, args.title)))
+        return
+    [results_dir] = args.results
+    with open(os.path.join(results_dir, "results.json")) as source:
         document = json.load(source)
     document["summary"] = summarize(document["runs"])
-    with open(os.path.join(args.results_dir, "README.md"), "w") as out:
+    with open(os.path.join(results_dir, "README.md"), "w") as out:
         out.write(readme(document))
-    chart(document["summary"], os.path.join(args.results_dir, "peers.png"))
+    chart(document["summary"], os.path.join(results_dir, "peers.png"))
     print(markdown(document["summary"]))
 
 

@@ -6,12 +6,14 @@ differ only in ``ZERO3_AC_DISABLE`` in the process environment: the installed pa
 applies the fork when DeepSpeed is imported unless it is set; the worker checks which one ran.
 """
 
+import os
 import statistics
 import time
 import warnings
 
 import torch
 
+from dtypes import ComputeDtypes, param_dtypes
 from spawn import rank_environment
 from workload import (MODELS, QUANT_STORAGE, AllGatherCounter, build_model, build_qlora_model, cast_unquantized,
                       zero3_config)
@@ -123,13 +125,14 @@ def plain_step(model, optimizer, trainable):
     return step
 
 
-def fsdp2_shard(model, device, world_size, dtype):
-    """``fully_shard`` on every decoder layer, then on the root, bf16 params on GPU."""
+def fsdp2_shard(model, device, world_size, param_dtype):
+    """``fully_shard`` on every decoder layer, then on the root; ``param_dtype`` None computes every param in
+    its own dtype (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     mesh = init_device_mesh(device, (world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
     for layer in [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)]:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -137,7 +140,7 @@ def fsdp2_shard(model, device, world_size, dtype):
 
 
 def setup(args, system, world_size, device_name):
-    """(step function, ZeRO engine or None, trainable param count) for ``system``."""
+    """(step function, ZeRO engine or None, trainable param count, model) for ``system``."""
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     full = args.mode == "full"
     qlora = args.mode == "qlora"
@@ -161,25 +164,27 @@ def setup(args, system, world_size, device_name):
             engine.step()
             return loss
 
-        return step, engine, sum(getattr(p, "ds_numel", p.numel()) for p in trainable)
-    param_dtype = dtype
+        return step, engine, sum(getattr(p, "ds_numel", p.numel()) for p in trainable), engine.module
+    param_dtype = None
     if qlora:
         # FSDP2's policy casts every param to param_dtype, the packed 4-bit weights too (an fp32 cast breaks
         # their packing): under FSDP2 every param takes their storage dtype (bf16), which the cast leaves as it is.
         param_dtype = QUANT_STORAGE if system == "fsdp2" else dtype
         model = cast_unquantized(build_qlora_model(args.qlora_base, args.ac, dtype, device_name), param_dtype)
     else:
-        model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name, dtype=dtype)
+        # The base in ``dtype``, PEFT's adapters fp32: Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py.
+        model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name)
     if system == "fsdp2":
         model = fsdp2_shard(model, args.device, world_size, param_dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
     count = sum(p.numel() for p in trainable) * (world_size if system == "fsdp2" else 1)
-    return plain_step(model, torch.optim.AdamW(trainable, lr=1e-4), trainable), None, count
+    return plain_step(model, torch.optim.AdamW(trainable, lr=1e-4), trainable), None, count, model
 
 
 def measure(args, system, rank, world_size, allgathers):
     device_name = f"cuda:{rank}" if args.device == "cuda" else "cpu"
-    step, engine, trainable = setup(args, system, world_size, device_name)
+    step, engine, trainable, model = setup(args, system, world_size, device_name)
+    compute = ComputeDtypes(model)
     gathers = None
     if engine is not None:
         from zero3_ac.utils.gather_meter import GatherMeter
@@ -208,6 +213,8 @@ def measure(args, system, rank, world_size, allgathers):
         loss = step(ids)
         synchronize()
         elapsed = time.perf_counter() - start
+        if index == 0:
+            dtypes = dict(param_dtypes=param_dtypes(model), compute_dtypes=compute.take())
         if index >= args.warmup:
             times.append(elapsed)
             step_calls, step_bytes = allgathers.take()
@@ -233,7 +240,7 @@ def measure(args, system, rank, world_size, allgathers):
                   allgather_calls_per_step=statistics.mean(calls), allgather_gib_per_step=statistics.mean(nbytes) / GIB,
                   module_calls_per_step=module_calls, busy_s=busy_s, profiled_step_s=profiled_s,
                   host_us_per_module_call=host_s / module_calls * 1e6 if module_calls and host_s is not None else None,
-                  last_loss=float(loss.item()))
+                  last_loss=float(loss.item()), **dtypes)
     if phases:
         result["zero_gathered_gib_by_phase"] = {phase: statistics.mean(p[phase] for p in phases) / GIB
                                                 for phase in phases[0]}
@@ -264,3 +271,12 @@ def worker(rank, world_size, port, args, queue):
     queue.put((rank, result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    remove_shm_buffer(rank)
+
+
+def remove_shm_buffer(rank):
+    """Delete the /dev/shm segment (66 MB) that DeepSpeed's CPU comm op creates for this rank and never removes."""
+    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
+            f"{os.environ.get('MASTER_PORT')}_{rank}")
+    if os.path.exists(path):
+        os.remove(path)

@@ -11,7 +11,24 @@ fork differ only in ``ZERO3_AC_DISABLE=1`` in the child environment. Writes resu
 and the summary), README.md (the table, the command line, definitions) and peers.png to ``--out``.
 Definitions and where the peers' settings differ: ``peer_report.NOTES``. ``--modes qlora`` (bitsandbytes)
 first saves the random-init base as a bf16 checkpoint in a temporary directory, from a child process;
-every QLoRA run loads it in 4 bits, as a user's script loads a downloaded one.
+every QLoRA run loads it in 4 bits, as a user's script loads a downloaded one. Every run is also a line of
+runs.jsonl, with the params' dtypes (trainable and frozen) and the dtypes the adapters and base layers
+compute in (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py).
+
+Paired rounds (``--paired``, paired.py), to compare systems within a few percent:
+
+    python benchmarks/peers.py --paired --device cuda --shape 1.1b --systems plain,fsdp2,fork --aa fork \\
+        --modes lora --ac nonreentrant --steps 40 --block 5 --rounds 2 --out $OUT/1.1b
+
+every system of a configuration runs at once in its own fresh processes (a round), and they take turns
+running ``--block`` steps; ``--steps`` measured steps each per round (default 40). Options of this mode:
+``--aa SYSTEM`` adds a second copy of SYSTEM (label ``SYSTEM#2``, its own processes) for an A/A check;
+``--reference SYSTEM`` (default fork, else the first of ``--systems``) is the numerator of its ratio to every
+other system (the others are paired too, the later in plain, fsdp2, stock, fork over the earlier);
+``--block N`` (default 5). Writes runs.jsonl (one row per system per round, every step time), settings.json,
+README.md (median paired ratio per pair with a bootstrap interval, whether the A/A interval lies inside
+[0.97, 1.03]) and paired.png; ``paired_report.py`` rewrites the last two. ``--budget-s`` and ``--rounds``
+work as in the default mode; the profiled step, all-gather counts and module calls are not taken.
 """
 
 import argparse
@@ -28,6 +45,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import paired  # noqa: E402
+import paired_report  # noqa: E402
 import peer_report  # noqa: E402
 from peer_worker import SYSTEMS, worker  # noqa: E402
 from spawn import start_ranks  # noqa: E402
@@ -135,6 +154,8 @@ def write(args, command, runs, complete):
                     environment=args.environment, notes=peer_report.NOTES, summary=rows, runs=runs)
     with open(os.path.join(args.out, "results.json"), "w") as out:
         json.dump(document, out, indent=1)
+    with open(os.path.join(args.out, "runs.jsonl"), "w") as out:
+        out.writelines(json.dumps(run) + "\n" for run in runs)
     with open(os.path.join(args.out, "README.md"), "w") as out:
         out.write(peer_report.readme(document))
     if rows:
@@ -162,7 +183,14 @@ def parse(argv=None):
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--note", default="", help="a paragraph for the top of README.md (machine, load)")
+    parser.add_argument("--paired", action="store_true", help="paired rounds (see above)")
+    parser.add_argument("--aa", choices=SYSTEMS, default=None, help="--paired: a second copy of this system")
+    parser.add_argument("--reference", choices=SYSTEMS, default=None, help="--paired: numerator of the ratios")
+    parser.add_argument("--block", type=int, default=5, help="--paired: steps a system runs per turn")
     args = parser.parse_args(argv)
+    if args.aa and args.aa not in args.systems:
+        parser.error(f"--aa {args.aa} is not among --systems {','.join(args.systems)}")
+    args.reference = args.reference or ("fork" if "fork" in args.systems else args.systems[0])
     gpu = args.device == "cuda"
     args.world = [int(world) for world in args.world]
     args.shape = args.shape or ("1.1b" if gpu else "small")
@@ -170,7 +198,7 @@ def parse(argv=None):
     args.seq = args.seq or (2048 if gpu else 64)
     args.mbs = args.mbs or (1 if args.shape == "8b" else 2)
     args.warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
-    args.steps = args.steps if args.steps is not None else (5 if gpu else 3)
+    args.steps = args.steps if args.steps is not None else (40 if args.paired else 5 if gpu else 3)
     return args
 
 
@@ -179,6 +207,8 @@ def main(argv=None):
     command = "python " + shlex.join([os.path.relpath(sys.argv[0]) if argv is None else "benchmarks/peers.py",
                                       *(sys.argv[1:] if argv is None else argv)])
     args.environment = environment()
+    if args.paired:
+        return main_paired(args, command)
     configs = configurations(args)
     started = time.monotonic()
     args.qlora_base = saved_qlora_base(args) if "qlora" in args.modes else None
@@ -190,6 +220,32 @@ def main(argv=None):
     write(args, command, runs, complete)
     print(peer_report.markdown(peer_report.summarize(runs)))
     return 0 if complete and not any(run["error"] for run in runs) else 1
+
+
+def main_paired(args, command):
+    """``--paired``: rounds of paired.py, rows to runs.jsonl, the report after every configuration."""
+    configs = list(dict.fromkeys((world, mode, ac) for world, _, mode, ac in configurations(args)))
+    if "qlora" in args.modes:
+        raise SystemExit("--paired does not run --modes qlora")
+    settings = dict(device=args.device, shape=args.shape, model=args.model, seq=args.seq, mbs=args.mbs,
+                    warmup=args.warmup, steps=args.steps, block=args.block, rounds=args.rounds, world=args.world,
+                    systems=args.systems, aa=args.aa, reference=args.reference)
+    document = dict(command=command, complete=False, note=args.note, settings=settings, environment=args.environment)
+    os.makedirs(args.out, exist_ok=True)
+
+    def write_rows(rows, complete):
+        document["complete"] = complete
+        with open(os.path.join(args.out, "settings.json"), "w") as out:
+            json.dump(document, out, indent=1)
+        with open(os.path.join(args.out, "runs.jsonl"), "w") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+        return paired_report.write(args.out, document, rows)
+
+    rows, complete = paired.run_paired(args, configs, time.monotonic(), write_rows)
+    systems, pairs = write_rows(rows, complete)
+    print(paired_report.markdown(systems, pairs))
+    print("\n".join(paired_report.aa_verdicts(pairs)))
+    return 0 if complete and not any(row["error"] for row in rows) else 1
 
 
 def run_rounds(args, command, configs, started):

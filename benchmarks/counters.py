@@ -1,0 +1,240 @@
+"""Deterministic per-step counters of a ZeRO-3 LoRA step on CPU, and their baseline.
+
+    python benchmarks/counters.py              # count, compare with the baseline, exit 1 on a rise over 5%
+    python benchmarks/counters.py --update     # count, write the counts as this DeepSpeed version's baseline
+    python benchmarks/counters.py --runs 3     # count in 3 fresh processes; they must agree
+
+The workload of the CPU peer benchmark (``workload.py``: the tiny Llama, PEFT LoRA r16 on every linear
+layer, HF non-reentrant checkpointing, AdamW, ZeRO-3 with every param partitioned), world size 1 (gloo),
+in a fresh process, the fork unless ``ZERO3_AC_DISABLE=1``. After ``WARMUP_STEPS`` steps (the model walks
+cached, the optimizer's state built), one step runs under ``sys.setprofile`` and the next one with
+``torch.Tensor`` methods wrapped:
+
+- ``python_calls_per_layer``: Python function calls (profile "call" events; a generator's resumption counts)
+  in the step, divided by the number of decoder layers; ``zero_python_calls_per_layer``: those of functions
+  defined in DeepSpeed or ``zero3_ac``.
+- ``hook_registrations``: ``Tensor.register_hook`` and ``Tensor.register_post_accumulate_grad_hook`` calls
+  in the step; ``param_hooks``: hooks attached to the params after it (both kinds).
+- ``record_stream``: ``Tensor.record_stream`` calls; ``to_calls``: ``Tensor.to`` calls from Python;
+  ``zero_to_calls``: those made by DeepSpeed or ``zero3_ac`` code.
+
+Counts do not depend on the host's speed, so a rise of more than ``TOLERANCE`` over the baseline of the
+installed DeepSpeed version (benchmarks/baselines/counters-cpu.json) is a regression of the hot path;
+tests/benchmarks/test_counters.py checks it. Where torch, transformers or peft differ from the versions
+the baseline was taken with, only the counters of DeepSpeed's and the fork's own code are compared.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BASELINE = os.path.join(HERE, "baselines", "counters-cpu.json")
+TOLERANCE = 0.05
+WARMUP_STEPS = 3
+# Counted in DeepSpeed's and the fork's own code: compared whatever the other libraries' versions.
+OWN_COUNTERS = ("zero_python_calls_per_layer", "hook_registrations", "param_hooks", "record_stream", "zero_to_calls")
+OTHER_LIBRARIES = ("torch", "transformers", "peft")
+OWN_CODE = (os.sep + "deepspeed" + os.sep, os.sep + "zero3_ac" + os.sep)
+
+
+def _own(filename):
+    return any(part in filename for part in OWN_CODE)
+
+
+class MethodCounter:
+    """Counts calls of ``torch.Tensor`` methods while active, and which of them DeepSpeed or the fork made."""
+
+    METHODS = ("register_hook", "register_post_accumulate_grad_hook", "record_stream", "to")
+
+    def __init__(self):
+        import torch
+        self.calls = dict.fromkeys(self.METHODS, 0)
+        self.own_calls = dict.fromkeys(self.METHODS, 0)
+        self._tensor = torch.Tensor
+        self._saved = {}
+
+    def _wrap(self, name, method):
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            if _own(sys._getframe(1).f_code.co_filename):
+                self.own_calls[name] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self):
+        for name in self.METHODS:
+            self._saved[name] = self._tensor.__dict__.get(name)
+            setattr(self._tensor, name, self._wrap(name, getattr(self._tensor, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(self._tensor, name)
+            else:
+                setattr(self._tensor, name, saved)
+
+
+def count_python_calls(function):
+    """(all, own) Python function calls while ``function()`` runs in this thread."""
+    counts = [0, 0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            counts[0] += 1
+            if _own(frame.f_code.co_filename):
+                counts[1] += 1
+
+    sys.setprofile(profile)
+    try:
+        function()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+def param_hooks(model):
+    return sum(len(getattr(param, attribute, None) or {}) for param in model.parameters()
+               for attribute in ("_backward_hooks", "_post_accumulate_grad_hooks"))
+
+
+def measure():
+    """The counters of one step, in this process (which must not have initialized torch.distributed)."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    warnings.filterwarnings("ignore")
+    sys.path.insert(0, HERE)
+    import deepspeed
+    import torch
+    import zero3_ac
+    from deepspeed.utils import logger
+    from transformers.utils import logging as hf_logging
+    from workload import MODELS, build_model, zero3_config
+    logger.setLevel("ERROR")
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        config = zero3_config("cpu", 1, torch.float32)
+        model = build_model("tiny", "nonreentrant", False, torch.float32)
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-4), config=config)
+        generator = torch.Generator().manual_seed(0)
+        vocab, layers = MODELS["tiny"]["vocab_size"], MODELS["tiny"]["num_hidden_layers"]
+
+        def step():
+            ids = torch.randint(0, vocab, (2, 32), generator=generator)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+
+        for _ in range(WARMUP_STEPS):
+            step()
+        calls, own_calls = count_python_calls(step)
+        with MethodCounter() as methods:
+            step()
+        counters = dict(python_calls_per_layer=calls / layers, zero_python_calls_per_layer=own_calls / layers,
+                        hook_registrations=methods.calls["register_hook"]
+                        + methods.calls["register_post_accumulate_grad_hook"],
+                        param_hooks=param_hooks(engine.module), record_stream=methods.calls["record_stream"],
+                        to_calls=methods.calls["to"], zero_to_calls=methods.own_calls["to"])
+        return dict(fork_active=zero3_ac.is_active(), versions=versions(), counters=counters)
+    finally:
+        torch.distributed.destroy_process_group()
+        address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_0"
+        if os.path.exists(shm):
+            os.remove(shm)
+
+
+def versions():
+    return {name: importlib.metadata.version(name) for name in ("deepspeed", *OTHER_LIBRARIES)}
+
+
+def measure_in_fresh_process():
+    """:func:`measure` in a new interpreter (the fork is applied at interpreter start, and counts must not
+    see an earlier model's caches)."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-here"], capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"counting failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def load_baseline():
+    if not os.path.exists(BASELINE):
+        return {}
+    with open(BASELINE) as source:
+        return json.load(source)
+
+
+def compare(measured, baseline_entry):
+    """(rises, lines): the counters over the baseline by more than TOLERANCE, and a line per counter."""
+    same_libraries = all(baseline_entry["versions"].get(name) == measured["versions"][name]
+                         for name in OTHER_LIBRARIES)
+    names = list(measured["counters"]) if same_libraries else list(OWN_COUNTERS)
+    rises, lines = [], []
+    for name in names:
+        now, then = measured["counters"][name], baseline_entry["counters"][name]
+        limit = then * (1 + TOLERANCE)
+        verdict = "RISE" if now > limit else ("fell: --update to lock it in" if now < then else "ok")
+        if now > limit:
+            rises.append(name)
+        lines.append(f"{name}: {now:g} (baseline {then:g}, limit {limit:g}) {verdict}")
+    if not same_libraries:
+        lines.append(f"compared DeepSpeed's and the fork's own counters only: the baseline was taken with "
+                     f"{ {n: baseline_entry['versions'].get(n) for n in OTHER_LIBRARIES} }, this is "
+                     f"{ {n: measured['versions'][n] for n in OTHER_LIBRARIES} }")
+    return rises, lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--update", action="store_true", help="write the counts as this DeepSpeed version's baseline")
+    parser.add_argument("--runs", type=int, default=1, help="fresh processes to count in; all must agree")
+    parser.add_argument("--measure-here", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.measure_here:
+        print(json.dumps(measure()))
+        return 0
+    results = [measure_in_fresh_process() for _ in range(args.runs)]
+    measured = results[0]
+    print(json.dumps(measured, indent=1))
+    if any(result["counters"] != measured["counters"] for result in results[1:]):
+        print("NOT deterministic: the runs counted differently:", [result["counters"] for result in results])
+        return 1
+    if not measured["fork_active"]:
+        print("note: stock DeepSpeed (ZERO3_AC_DISABLE=1); the baseline holds the fork's counts")
+    deepspeed_version = measured["versions"]["deepspeed"]
+    baseline = load_baseline()
+    if args.update:
+        if not measured["fork_active"]:
+            print("refusing to write stock DeepSpeed's counts as the fork's baseline: unset ZERO3_AC_DISABLE")
+            return 1
+        baseline[deepspeed_version] = dict(versions=measured["versions"], counters=measured["counters"])
+        os.makedirs(os.path.dirname(BASELINE), exist_ok=True)
+        with open(BASELINE, "w") as out:
+            json.dump(dict(sorted(baseline.items())), out, indent=1)
+            out.write("\n")
+        print(f"baseline for DeepSpeed {deepspeed_version} written to {os.path.relpath(BASELINE)}")
+        return 0
+    if deepspeed_version not in baseline:
+        print(f"no baseline for DeepSpeed {deepspeed_version}: run python benchmarks/counters.py --update")
+        return 1
+    rises, lines = compare(measured, baseline[deepspeed_version])
+    print("\n".join(lines))
+    return 1 if rises else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The per-step counters of a ZeRO-3 LoRA step (Python calls per decoder layer, hook registrations, param hooks,
+``record_stream`` and ``Tensor.to`` calls) stay within 5% of the committed baseline of the installed DeepSpeed
+version. The counts do not depend on the host's speed (benchmarks/counters.py).
+
+On a rise that is intended, update the baseline and commit it:
+
+    python benchmarks/counters.py --update      (in the venv of each DeepSpeed version: 0.18.5, 0.19.8)
+
+Stock DeepSpeed (``--stock``) does more per step than the fork, so this test fails there.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COUNTERS = os.path.join(REPO, "benchmarks", "counters.py")
+
+
+@pytest.mark.stock_fails
+def test_step_counters_stay_within_5_percent_of_the_baseline():
+    done = subprocess.run([sys.executable, COUNTERS], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert done.returncode == 0, (
+        f"{done.stdout}\n{done.stderr[-3000:]}\nA counter rose more than 5% over "
+        "benchmarks/baselines/counters-cpu.json (or there is no baseline for this DeepSpeed version). If the rise "
+        "is intended, run `python benchmarks/counters.py --update` in this venv and commit the baseline.")

@@ -1,0 +1,53 @@
+"""The paired report's statistics on made-up rows: the median paired ratio, its bootstrap interval, the A/A
+verdict. A 5% difference under 3% noise is told apart; an A/A pair under the same noise passes."""
+
+import os
+import sys
+
+import numpy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+import paired_report  # noqa: E402
+
+CONFIG = dict(shape="small", world=1, mode="lora", ac="nonreentrant")
+
+
+def _rows(factors, cycles=16, block=5, noise=0.03, drift=0.5):
+    """One round: every label's blocks of steps of 1 s times its factor, the host slowing by up to ``drift``
+    over the round (the same for every label within a cycle), and ``noise`` independent jitter per step."""
+    generator = numpy.random.default_rng(1)
+    host = 1 + drift * numpy.linspace(0, 1, cycles)
+    rows = []
+    for label, factor in factors.items():
+        blocks = [list(factor * host[c] * (1 + noise * generator.standard_normal(block))) for c in range(cycles)]
+        rows.append(dict(CONFIG, round=0, label=label, system=label.split("#")[0], error=None, block_s=blocks,
+                         step_s=[t for b in blocks for t in b], peak_mem_gib=1.0))
+    return rows
+
+
+def test_paired_ratio_tells_a_5_percent_difference_under_drift_apart():
+    pairs = paired_report.pairs_summary(_rows({"fsdp2": 1.0, "fork": 1.05, "fork#2": 1.05}), "fork")
+    found = {entry["second"]: entry for entry in pairs}
+    assert found["fsdp2"]["pairs"] == 16 and not found["fsdp2"]["aa"]
+    assert 1.0 < found["fsdp2"]["low"] < 1.05 < found["fsdp2"]["high"] < 1.1, found["fsdp2"]
+    assert found["fork#2"]["aa"] and found["fork#2"]["aa_pass"], found["fork#2"]
+    assert "inside [0.97, 1.03]" in paired_report.aa_verdicts(pairs)[0]
+
+
+def test_aa_fails_when_the_copies_differ():
+    pairs = paired_report.pairs_summary(_rows({"fork": 1.0, "fork#2": 1.06}), "fork")
+    assert pairs[0]["aa"] and not pairs[0]["aa_pass"]
+    assert "NOT inside" in paired_report.aa_verdicts(pairs)[0]
+
+
+def test_bootstrap_interval_holds_the_median_and_is_deterministic():
+    values = list(numpy.random.default_rng(2).normal(1.0, 0.05, 30))
+    low, high = paired_report.bootstrap_median(values)
+    assert low < numpy.median(values) < high
+    assert (low, high) == paired_report.bootstrap_median(values)
+
+
+def test_pairs_are_the_reference_against_each_other_then_the_other_systems():
+    assert paired_report.pair_list(["plain", "fsdp2", "fork", "fork#2"], "fork") == [
+        ("fork", "plain"), ("fork", "fsdp2"), ("fork", "fork#2"), ("fsdp2", "plain")]
