@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# HF Trainer + PEFT LoRA at the TinyLlama-1.1B shape on the device machine (2×H200), stock vs fork.
-#   bash benchmarks/run_hf_trainer_gpu.sh OUTDIR [STEPS]
+# HF Trainer + PEFT LoRA at the TinyLlama-1.1B shape on the device machine, stock vs fork.
+#   [NUM_GPUS=2] bash benchmarks/run_hf_trainer_gpu.sh OUTDIR [STEPS]
 # Launched by the deepspeed launcher exactly as docs/clients.md shows, non-reentrant checkpointing,
 # HF's "auto" ZeRO-3 settings (examples/ds_config_zero3_auto.json); stock = ZERO3_AC_DISABLE=1.
 set -uo pipefail
@@ -20,7 +20,7 @@ mkdir -p "$OUTDIR"
 } 2>&1 | tee "$OUTDIR/environment.txt"
 for impl in stock fork; do
     disable=0; [[ $impl == stock ]] && disable=1
-    command="deepspeed --num_gpus 2 examples/hf_trainer_lora.py --deepspeed examples/ds_config_zero3_auto.json --bf16 --shape tinyllama --lora-rank 16 --seq-len 2048 --batch-size 2 --lr 1e-4 --steps $STEPS --summary $OUTDIR/$impl"
+    command="deepspeed --num_gpus ${NUM_GPUS:-2} examples/hf_trainer_lora.py --deepspeed examples/ds_config_zero3_auto.json --bf16 --shape tinyllama --lora-rank 16 --seq-len 2048 --batch-size 2 --lr 1e-4 --steps $STEPS --summary $OUTDIR/$impl"
     echo "ZERO3_AC_DISABLE=$disable $command" | tee -a "$OUTDIR/environment.txt"
     ZERO3_AC_DISABLE=$disable $command >"$OUTDIR/$impl.log" 2>&1
     echo "$impl exit code $?" | tee -a "$OUTDIR/environment.txt"
