@@ -5,16 +5,19 @@ Applying the fork twice and unsupported DeepSpeed versions are covered in ``test
 
 import contextlib
 import copy
+import functools
+import typing
 
 import pytest
 import torch
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
+from tests.unit.runtime.zero.test_selective_checkpointing import SEQUENCE, SelectiveStack
 from tests.unit.runtime.zero.zero_case import (DIM, LR, CheckpointedStack, assert_close_deltas, assert_fork_state,
                                                assert_nothing_drained, assert_partitioned, make_engine,
                                                fork_disabled, micro_batches, named_values, reference_deltas,
-                                               zero_config)
+                                               torch_linear, zero_config)
 
 WORLD_SIZE = 2
 
@@ -141,11 +144,22 @@ def zenflow_config():
     return config
 
 
-# setup: (config, optimizer class, whether stock trains as plain PyTorch does). ZenFlow's update
-# is its own (params transposed between the hooks), so only stock is its reference.
+class LeftToStock(typing.NamedTuple):
+    config: typing.Callable
+    optimizer: type
+    model: typing.Callable
+    input_dim: int
+    as_plain_pytorch: bool  # whether stock trains it as plain PyTorch does
+
+
+# ZenFlow's update is its own (params transposed between the hooks): only stock is its reference.
+# Under selective checkpointing stock's linear adds the bias twice (linear.py's Note [Selective
+# checkpointing and an in-place bias]) and the fork's does not: the engine left to stock must too.
 LEFT_TO_STOCK = {
-    "deepcompile": (deepcompile_config, torch.optim.SGD, True),
-    "zenflow": (zenflow_config, StepIdSGD, False),
+    "deepcompile": LeftToStock(deepcompile_config, torch.optim.SGD, CheckpointedStack, DIM, True),
+    "deepcompile_selective": LeftToStock(deepcompile_config, torch.optim.SGD, functools.partial(SelectiveStack, True),
+                                         SEQUENCE * DIM, False),
+    "zenflow": LeftToStock(zenflow_config, StepIdSGD, CheckpointedStack, DIM, False),
 }
 
 
@@ -198,20 +212,21 @@ def left_to_stock_case(setup):
     import zero3_ac
     from zero3_ac.utils.z3_leaf_module import is_gather_unit
     assert_fork_state()
-    make_config, optimizer_class, as_plain_pytorch = LEFT_TO_STOCK[setup]
-    config = make_config()
-    batches = micro_batches(3, dist.get_world_size(), requires_grad=True)
+    case = LEFT_TO_STOCK[setup]
+    config = case.config()
+    batches = micro_batches(3, dist.get_world_size(), requires_grad=True, dim=case.input_dim)
     torch.manual_seed(44)
-    models = {name: CheckpointedStack(blocks=2) for name in ("before", "aside", "after")}
+    models = {"before": CheckpointedStack(blocks=2), "aside": case.model(), "after": CheckpointedStack(blocks=2)}
     for model in models.values():
-        zero3_ac.set_gather_units(model, ["FrozenLoraBlock"])
+        zero3_ac.set_gather_units(model, [type(model.blocks[0]).__name__])
     twin = copy.deepcopy(models["aside"])
     initial = {name: param.detach().clone() for name, param in twin.named_parameters()}
-    expected = reference_deltas(twin, batches, gas=1)
+    with torch_linear():
+        expected = reference_deltas(twin, batches, gas=1)
 
     before = make_engine(models["before"], zero_config(3))
     with deepspeed_log() as messages:
-        aside, losses, values = train_steps(models["aside"], config, optimizer_class, batches)
+        aside, losses, values = train_steps(models["aside"], config, case.optimizer, batches)
     after = make_engine(models["after"], zero_config(3))
 
     stepping_aside = [message for message in messages if "runs stock ZeRO-3" in message]
@@ -219,17 +234,17 @@ def left_to_stock_case(setup):
     assert zero3_ac.lifecycle_stats(aside) is None, "the engine left to stock runs the lifecycle"
     assert not any(is_gather_unit(module) for module in aside.module.modules()), "gather units marked on a stock engine"
     assert_partitioned(aside, "after training")
-    if as_plain_pytorch:
+    if case.as_plain_pytorch:
         assert_close_deltas({name: values[name] - initial[name] for name in expected}, expected, torch.float32)
     for name, engine in (("before", before), ("after", after)):
-        engine.backward(engine(batches[0][dist.get_rank()]))
+        engine.backward(engine(micro_batches(1, dist.get_world_size(), requires_grad=True)[0][dist.get_rank()]))
         engine.step()
         assert (zero3_ac.lifecycle_stats(engine) is not None) == zero3_ac.is_active(), f"engine created {name}"
         assert any(is_gather_unit(module) for module in engine.module.modules()) == zero3_ac.is_active(), name
         assert_nothing_drained(engine, f"engine created {name}")
 
     with stock_deepspeed():
-        _, stock_losses, stock_values = train_steps(twin, config, optimizer_class, batches)
+        _, stock_losses, stock_values = train_steps(twin, config, case.optimizer, batches)
     assert torch.equal(losses, stock_losses), f"losses {losses.tolist()} against stock's {stock_losses.tolist()}"
     for name, value in stock_values.items():
         assert torch.equal(values[name], value), f"{name} differs from stock's"
@@ -240,7 +255,7 @@ def test_engine_left_to_stock_trains_as_stock_beside_fork_engines(setup):
     """DeepCompile and ZenFlow (ZeRO-3) engines run stock, bit for bit, beside engines that keep the fork.
 
     On CPU the DeepCompile engine trains before ``engine.compile()`` (DeepCompile's op needs CUDA),
-    and ZenFlow inside its full warm-up rounds (see ``zenflow_setup``).
+    and ZenFlow inside its full warm-up rounds (see ``zenflow_config``).
     """
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     if setup == "zenflow" and "zenflow" not in DeepSpeedZeroConfig.model_fields:
