@@ -152,14 +152,17 @@ class LeftToStock(typing.NamedTuple):
     as_plain_pytorch: bool  # whether stock trains it as plain PyTorch does
 
 
-# ZenFlow's update is its own (params transposed between the hooks): only stock is its reference.
-# Under selective checkpointing stock's linear adds the bias twice (linear.py's Note [Selective
-# checkpointing and an in-place bias]) and the fork's does not: the engine left to stock must too.
+# Reentrant checkpoints: stock DeepSpeed before 0.19.3 raises CheckpointError on frozen params under
+# non-reentrant ones, and so does an engine left to stock. ZenFlow's update is its own (params
+# transposed between the hooks): only stock is its reference. Under selective checkpointing stock's
+# linear adds the bias twice (linear.py's Note [Selective checkpointing and an in-place bias]) and
+# the fork's does not: the engine left to stock must too.
+REENTRANT_STACK = functools.partial(CheckpointedStack, use_reentrant=True)
 LEFT_TO_STOCK = {
-    "deepcompile": LeftToStock(deepcompile_config, torch.optim.SGD, CheckpointedStack, DIM, True),
+    "deepcompile": LeftToStock(deepcompile_config, torch.optim.SGD, REENTRANT_STACK, DIM, True),
     "deepcompile_selective": LeftToStock(deepcompile_config, torch.optim.SGD, functools.partial(SelectiveStack, True),
                                          SEQUENCE * DIM, False),
-    "zenflow": LeftToStock(zenflow_config, StepIdSGD, CheckpointedStack, DIM, False),
+    "zenflow": LeftToStock(zenflow_config, StepIdSGD, REENTRANT_STACK, DIM, False),
 }
 
 
