@@ -61,14 +61,17 @@ def _patches():
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
     from zero3_ac.runtime.zero import stage3_gradients
+    from zero3_ac.runtime.zero import stock_engines
 
-    def _register_deepspeed_module(self, module, count=[0]):
+    def _register_deepspeed_module(self, stock, module, *args, **kwargs):
+        if stock_engines.offload_left_to_stock(self):
+            return stock(self, module, *args, **kwargs)
         _start_process_wide_changes()
         fork.register_deepspeed_module(self, module)
 
     patches = [
         (LinearFunctionForZeroStage3, "apply", classmethod(fork_linear.apply)),
-        (DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
+        _wrapping(DeepSpeedZeRoOffload, "_register_deepspeed_module", _register_deepspeed_module),
         (stock_parameter_offload, "register_external_parameter", borrowed_params.register_external_parameter),
         *((module, "iter_params", fork_coordinator.cached_iter_params)
           for module in (stock_coordinator, stock_parameter_offload)),

@@ -1,6 +1,38 @@
-"""Setups of ``DeepSpeedEngine`` that the per-invocation lifecycle refuses, and the config it reads:
-extends upstream ``engine.py``."""
+"""``DeepSpeedEngine`` setups that the per-invocation lifecycle leaves to stock ZeRO-3, the one it
+refuses, and the config it reads: extends upstream ``engine.py``.
 
+Note: [Engines left to stock]
+    Two ZeRO-3 setups own the params in ways the lifecycle cannot share:
+    - DeepCompile (``compile.deepcompile``): ``engine.compile()`` removes ZeRO-3's module hooks
+      (the fork's among them) and gathers and releases params from passes over the compiled graph;
+    - ZenFlow (``zero_optimization.zenflow``): see [ZenFlow keeps params transposed between its hooks].
+    Such an engine runs stock ZeRO-3, whole: the fork stands aside for it, logs so once, and every
+    other engine of the process, created before or after it, keeps the lifecycle.
+
+    The decision is made once per engine, in ``_configure_zero_optimizer``, before the engine's
+    ``DeepSpeedZeRoOffload`` registers its module hooks; both setups are in the config by then
+    (DeepCompile's too, although it only acts at ``engine.compile()``: by then the fork's hooks and
+    gather units would be on every module, and undoing them is not safe). ``stock_engines`` records
+    it on the offload, the optimizer and the params, and each patched method that can tell which
+    engine it serves runs upstream's code for such an engine:
+    - the hooks' registration is upstream's (no gather units are marked, no lifecycle is created),
+      so ``release_backward_leftovers``, ``partition_all_parameters``, ``initialize_ds_offload``
+      and ``lifecycle_stats`` find no lifecycle and do what stock does;
+    - the gradient-partition wrappers (``stage3_gradients``) call upstream's directly;
+    - ZeRO-3's linear (forward and ``apply``) runs upstream's for a weight of such an engine.
+    The other patches change no result of any engine: ``print_rank_0`` prints what it printed,
+    ``current_stream`` returns the same stream, ``iter_params`` the same params, NVTX ranges are
+    off (``engine.compile()`` turns them off itself), and a read of a borrowed param records
+    nothing for modules without the fork's hooks. A linear whose weight is computed from params
+    (not a param) takes the fork's path in every engine; its values are the same.
+
+    What remains refused: DeepCompile on an engine that runs the lifecycle, which only a
+    ``compile.deepcompile`` switched on after ``deepspeed.initialize`` reaches.
+"""
+
+from deepspeed.utils import logger
+
+from zero3_ac.runtime.zero import stock_engines
 from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
 from zero3_ac.utils.z3_leaf_module import remember_config_setting
 
@@ -14,25 +46,8 @@ def _runs_the_lifecycle(engine) -> bool:
     return offload is not None and lifecycle_hooks(offload) is not None
 
 
-def compile(engine, stock, *args, **kwargs):
-    """Wraps ``DeepSpeedEngine.compile``: DeepCompile and the lifecycle both own ZeRO-3's params.
-
-    DeepCompile removes ZeRO-3's module hooks (the fork's among them) and gathers and releases
-    params from passes over the compiled graph, so the lifecycle would silently stop applying.
-    Plain ``torch.compile`` (no ``compile.deepcompile``) keeps the hooks and is supported.
-    """
-    if engine.is_deepcompile_enabled() and _runs_the_lifecycle(engine):
-        raise UnsupportedSetup(
-            "zero3_ac: DeepCompile (compile.deepcompile=true) replaces the ZeRO-3 module hooks that the "
-            "per-invocation lifecycle runs on, so the two cannot be combined. Either set "
-            "compile.deepcompile=false in the DeepSpeed config to keep the fork (plain engine.compile() works), "
-            "or set ZERO3_AC_DISABLE=1 to run DeepCompile on stock ZeRO-3.")
-    return stock(engine, *args, **kwargs)
-
-
-def configure_zero_optimizer(engine, stock, *args, **kwargs):
-    """Wraps ``DeepSpeedEngine._configure_zero_optimizer``: the config's gather units reach the hooks' registration,
-    and ZenFlow on ZeRO-3 is refused.
+def reason_to_leave_to_stock(engine):
+    """Why ``engine`` (ZeRO-3) runs stock ZeRO-3 under the fork, or None (see [Engines left to stock]).
 
     Note: [ZenFlow keeps params transposed between its hooks]
         With ZenFlow, upstream's ``pre_sub_module_forward_function`` and
@@ -41,12 +56,41 @@ def configure_zero_optimizer(engine, stock, *args, **kwargs):
         gathers through the ``pre_`` functions but releases params itself, at other times than a
         module's end, and never calls the ``post_`` ones: params would be released transposed.
     """
-    if engine.zero_optimization_partition_weights():
-        remember_config_setting(engine.module, engine._config._param_dict)
-    if getattr(engine, "zenflow", False) and engine.zero_optimization_partition_weights():
+    if engine.is_deepcompile_enabled():
+        return "DeepCompile (compile.deepcompile) replaces ZeRO-3's module hooks at engine.compile()"
+    if getattr(engine, "zenflow", False):
+        return "ZenFlow (zero_optimization.zenflow) transposes params between ZeRO-3's module hooks"
+    return None
+
+
+def compile(engine, stock, *args, **kwargs):
+    """Wraps ``DeepSpeedEngine.compile``: DeepCompile on an engine that runs the lifecycle is refused.
+
+    An engine configured with DeepCompile runs stock from ``initialize`` on (see [Engines left to
+    stock]); one that runs the lifecycle has the fork's hooks and gather units on every module, and
+    DeepCompile would silently take over from them. Plain ``torch.compile`` (no
+    ``compile.deepcompile``) keeps the hooks and is supported.
+    """
+    if engine.is_deepcompile_enabled() and _runs_the_lifecycle(engine):
         raise UnsupportedSetup(
-            "zero3_ac: ZenFlow (zero_optimization.zenflow) with ZeRO stage 3 transposes params between ZeRO-3's "
-            "module hooks, which the per-invocation lifecycle replaces, so the two cannot be combined. Either "
-            "remove zero_optimization.zenflow from the DeepSpeed config to keep the fork, or set "
-            "ZERO3_AC_DISABLE=1 to run ZenFlow on stock ZeRO-3.")
+            "zero3_ac: DeepCompile (compile.deepcompile=true) was switched on after deepspeed.initialize created "
+            "this engine with the per-invocation ZeRO-3 lifecycle, whose module hooks DeepCompile would replace. "
+            "Either set compile.deepcompile=true in the config passed to deepspeed.initialize (the fork then "
+            "leaves that engine to stock ZeRO-3), or keep it false (plain engine.compile() works with the fork).")
     return stock(engine, *args, **kwargs)
+
+
+def configure_zero_optimizer(engine, stock, *args, **kwargs):
+    """Wraps ``DeepSpeedEngine._configure_zero_optimizer``: decides whether a ZeRO-3 engine runs the
+    lifecycle, and passes the config's gather units to the hooks' registration if it does."""
+    if not engine.zero_optimization_partition_weights():
+        return stock(engine, *args, **kwargs)
+    reason = reason_to_leave_to_stock(engine)
+    stock_engines.mark(engine.module.parameters(), left=reason is not None)
+    if reason is None:
+        remember_config_setting(engine.module, engine._config._param_dict)
+        return stock(engine, *args, **kwargs)
+    logger.warning(f"zero3_ac: {reason}, so this engine runs stock ZeRO-3; other engines keep the "
+                   "per-invocation lifecycle.")
+    with stock_engines.configuring_stock_engine():
+        return stock(engine, *args, **kwargs)

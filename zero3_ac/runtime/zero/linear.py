@@ -34,6 +34,9 @@ Note: [torch's own linear inside a checkpoint]
     and no checkpoint) ZeRO-3's Function is kept. The branch sits in the Function's ``apply``, so
     ``zero3_linear_wrap`` (which DeepSpeed 0.19.3+ installs as ``torch.nn.functional.linear`` at
     ``initialize``, earlier releases inside ``zero.Init``) and ``LinearModuleForZeroStage3`` both take it.
+
+For a weight of an engine left to stock (Note [Engines left to stock] in ``runtime/engine.py``), the
+Function's ``apply`` and ``forward`` are upstream's.
 """
 
 import torch
@@ -41,6 +44,7 @@ from deepspeed.runtime.zero import linear as upstream
 from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
 from zero3_ac.runtime.zero import autograd_context
+from zero3_ac.runtime.zero.stock_engines import left_to_stock
 
 
 def forward(input, weight, bias=None):
@@ -59,7 +63,7 @@ _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
 def apply(linear_function, input, weight, bias=None):
     """``LinearFunctionForZeroStage3.apply`` (a classmethod): torch's linear inside a checkpointed region,
     ZeRO-3's Function elsewhere (see [torch's own linear inside a checkpoint])."""
-    if autograd_context.inside_checkpoint() or not torch.is_grad_enabled():
+    if (autograd_context.inside_checkpoint() or not torch.is_grad_enabled()) and not left_to_stock(weight):
         return _torch_linear()(input, weight, bias)
     return _FUNCTION_APPLY(linear_function, input, weight, bias)
 
@@ -70,17 +74,30 @@ def _torch_linear():
 
 
 def replacement_forward(linear_function):
-    """The fork's forward in the calling convention of this DeepSpeed's ``LinearFunctionForZeroStage3``.
+    """The fork's forward in the calling convention of this DeepSpeed's ``LinearFunctionForZeroStage3``,
+    upstream's for a weight of an engine left to stock.
 
     0.19.1 and later save the inputs in a separate ``setup_context``; earlier releases save them in
     ``forward(ctx, ...)`` itself, under DeepSpeed's autocast decorator.
     """
+    stock_forward = linear_function.__dict__["forward"].__func__
     if "setup_context" in linear_function.__dict__:
-        return staticmethod(forward)
+
+        def forward_unless_stock(input, weight, bias=None):
+            if left_to_stock(weight):
+                return stock_forward(input, weight, bias)
+            return forward(input, weight, bias)
+
+        return staticmethod(forward_unless_stock)
 
     @upstream.autocast_custom_fwd
     def forward_saving_inputs(ctx, input, weight, bias=None):
         ctx.save_for_backward(input, weight, bias)
         return forward(input, weight, bias)
 
-    return staticmethod(forward_saving_inputs)
+    def forward_saving_inputs_unless_stock(ctx, input, weight, bias=None):
+        if left_to_stock(weight):
+            return stock_forward(ctx, input, weight, bias)
+        return forward_saving_inputs(ctx, input, weight, bias)
+
+    return staticmethod(forward_saving_inputs_unless_stock)

@@ -14,6 +14,8 @@ import weakref
 
 from deepspeed.utils import logger
 
+from zero3_ac.runtime.zero import stock_engines
+
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
 
@@ -38,9 +40,11 @@ def discard_aborted_backward(optimizer) -> None:
 
 
 def initialize_ds_offload(optimizer, stock, *args, **kwargs):
-    """Wraps ``DeepSpeedZeroOptimizer_Stage3.initialize_ds_offload``: link the offload's hooks back."""
+    """Wraps ``DeepSpeedZeroOptimizer_Stage3.initialize_ds_offload``: link the offload's hooks back,
+    and mark the optimizer of an engine left to stock (Note [Engines left to stock])."""
     from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
     offload = stock(optimizer, *args, **kwargs)
+    stock_engines.mark([optimizer], left=stock_engines.offload_left_to_stock(offload))
     hooks = lifecycle_hooks(offload)
     if hooks is not None:
         optimizer_ref = weakref.ref(optimizer)

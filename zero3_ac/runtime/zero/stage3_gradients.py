@@ -30,11 +30,16 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     accumulation (``managed_gradient_accumulation: false``, 0.19.8+) the boundary is ``step()``:
     upstream copies only the params reduced in the window, and the fork gives the others the same
     zero gradient there, so managed and unmanaged accumulation take the same step.
+
+The optimizer of an engine left to stock (Note [Engines left to stock] in ``runtime/engine.py``)
+runs upstream's methods unchanged.
 """
 
 import contextlib
 
 import torch
+
+from zero3_ac.runtime.zero.stock_engines import left_to_stock
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
@@ -71,6 +76,8 @@ def _accumulating(optimizer):
 
 def partition_grads(optimizer, stock, params_to_release, grad_partitions):
     """Wraps ``partition_grads``: each partition sums the gradients it gets in the window."""
+    if left_to_stock(optimizer):
+        return stock(optimizer, params_to_release, grad_partitions)
     window = _window(optimizer)
     pairs = list(zip(params_to_release, grad_partitions))
     fresh = [(param, grad) for param, grad in pairs if param.ds_id not in window]
@@ -93,6 +100,8 @@ def partition_grads(optimizer, stock, params_to_release, grad_partitions):
 def independent_gradient_partition_epilogue(optimizer, stock):
     """Wraps the end-of-backward epilogue: partitions not written in this window yet are zero."""
     stock(optimizer)
+    if left_to_stock(optimizer):
+        return
     window = _window(optimizer)
     partitions = getattr(optimizer, _GRAD_PARTITIONS)
     if len(window) < len(partitions):
@@ -125,11 +134,13 @@ def finalize_gradient_accumulation_boundary(optimizer, stock):
     """Wraps the unmanaged boundary (``step()``): params idle in the window get a zero gradient in
     the offloaded optimizer too, as at the managed boundary."""
     stock(optimizer)
-    if optimizer.offload_optimizer:
+    if optimizer.offload_optimizer and not left_to_stock(optimizer):
         _offload_unreduced(optimizer, set(optimizer._offload_boundary_param_ids))
 
 
 def zero_grad(optimizer, stock, *args, **kwargs):
     """Wraps ``zero_grad``: the next gradient starts a new accumulation window."""
+    if left_to_stock(optimizer):
+        return stock(optimizer, *args, **kwargs)
     _window(optimizer).clear()
     return stock(optimizer, *args, **kwargs)

@@ -3,16 +3,21 @@
 Applying the fork twice and unsupported DeepSpeed versions are covered in ``test_activation``.
 """
 
+import contextlib
 import copy
+import functools
+import typing
 
 import pytest
 import torch
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
-from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, assert_close_deltas, assert_fork_state,
+from tests.unit.runtime.zero.test_selective_checkpointing import SEQUENCE, SelectiveStack
+from tests.unit.runtime.zero.zero_case import (DIM, LR, CheckpointedStack, assert_close_deltas, assert_fork_state,
                                                assert_nothing_drained, assert_partitioned, make_engine,
-                                               micro_batches, named_values, reference_deltas, zero_config)
+                                               fork_disabled, micro_batches, named_values, reference_deltas,
+                                               torch_linear, zero_config)
 
 WORLD_SIZE = 2
 
@@ -109,41 +114,173 @@ def test_torch_compiled_module(use_reentrant):
     run_distributed(WORLD_SIZE, torch_compile_case, use_reentrant)
 
 
-def deepcompile_case():
-    import zero3_ac
-    from zero3_ac.runtime.engine import UnsupportedSetup
-    torch.manual_seed(44)
+# ---------------------------------------------------------------------------- engines left to stock
+class StepIdSGD(torch.optim.SGD):
+    """SGD taking the ``step_id`` that ZenFlow's ZeRO-3 passes to the optimizer of an offloaded step."""
+
+    def step(self, closure=None, step_id=None):
+        return super().step(closure)
+
+
+def deepcompile_config():
     config = zero_config(3)
     config["compile"] = {"deepcompile": True}
-    engine = make_engine(CheckpointedStack(blocks=2), config)
-    if zero3_ac.is_active():
-        with pytest.raises(UnsupportedSetup, match="ZERO3_AC_DISABLE=1"):
-            engine.compile()
+    return config
+
+
+def zenflow_config():
+    # ZenFlow's selective (top-k) steps after its warm-up rounds allocate on "cuda"
+    # (``update_selected_channels``), so CPU runs stay inside the warm-up.
+    config = zero_config(3,
+                         offload_optimizer={"device": "cpu"},
+                         zenflow={
+                             "topk_ratio": 0.5,
+                             "select_strategy": "step",
+                             "select_interval": 1,
+                             "update_interval": 1,
+                             "full_warm_up_rounds": 100
+                         })
+    config["zero_force_ds_cpu_optimizer"] = False
+    return config
+
+
+class LeftToStock(typing.NamedTuple):
+    config: typing.Callable
+    optimizer: type
+    model: typing.Callable
+    input_dim: int
+    as_plain_pytorch: bool  # whether stock trains it as plain PyTorch does
+
+
+# Reentrant checkpoints: stock DeepSpeed before 0.19.3 raises CheckpointError on frozen params under
+# non-reentrant ones, and so does an engine left to stock. ZenFlow's update is its own (params
+# transposed between the hooks): only stock is its reference. Under selective checkpointing stock's
+# linear adds the bias twice (linear.py's Note [Selective checkpointing and an in-place bias]) and
+# the fork's does not: the engine left to stock must too.
+REENTRANT_STACK = functools.partial(CheckpointedStack, use_reentrant=True)
+LEFT_TO_STOCK = {
+    "deepcompile": LeftToStock(deepcompile_config, torch.optim.SGD, REENTRANT_STACK, DIM, True),
+    "deepcompile_selective": LeftToStock(deepcompile_config, torch.optim.SGD, functools.partial(SelectiveStack, True),
+                                         SEQUENCE * DIM, False),
+    "zenflow": LeftToStock(zenflow_config, StepIdSGD, REENTRANT_STACK, DIM, False),
+}
+
+
+def train_steps(model, config, optimizer_class, batches):
+    """An engine trained on ``batches``; returns it, its losses and its final param values."""
+    import deepspeed
+    import deepspeed.comm as dist
+    optimizer = optimizer_class([param for param in model.parameters() if param.requires_grad], lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    losses = []
+    for row in batches:
+        loss = engine(row[dist.get_rank()])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return engine, torch.stack(losses), named_values(engine)
+
+
+@contextlib.contextmanager
+def stock_deepspeed():
+    """Stock DeepSpeed for the engines created inside (``zero3_ac.remove()``, then ``apply()`` again)."""
+    import zero3_ac
+    active = zero3_ac.is_active()
+    if active:
+        zero3_ac.remove()
+    try:
+        yield
+    finally:
+        if active:
+            zero3_ac.apply()
+
+
+@contextlib.contextmanager
+def deepspeed_log():
+    """The messages DeepSpeed's logger emits inside."""
+    import logging
+    from deepspeed.utils import logger
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def left_to_stock_case(setup):
+    import deepspeed.comm as dist
+    import zero3_ac
+    from zero3_ac.utils.z3_leaf_module import is_gather_unit
+    assert_fork_state()
+    case = LEFT_TO_STOCK[setup]
+    config = case.config()
+    batches = micro_batches(3, dist.get_world_size(), requires_grad=True, dim=case.input_dim)
+    torch.manual_seed(44)
+    models = {"before": CheckpointedStack(blocks=2), "aside": case.model(), "after": CheckpointedStack(blocks=2)}
+    for model in models.values():
+        zero3_ac.set_gather_units(model, [type(model.blocks[0]).__name__])
+    twin = copy.deepcopy(models["aside"])
+    initial = {name: param.detach().clone() for name, param in twin.named_parameters()}
+    with torch_linear():
+        expected = reference_deltas(twin, batches, gas=1)
+
+    before = make_engine(models["before"], zero_config(3))
+    with deepspeed_log() as messages:
+        aside, losses, values = train_steps(models["aside"], config, case.optimizer, batches)
+    after = make_engine(models["after"], zero_config(3))
+
+    stepping_aside = [message for message in messages if "runs stock ZeRO-3" in message]
+    assert len(stepping_aside) == int(zero3_ac.is_active()), f"log lines saying the fork stands aside: {stepping_aside}"
+    assert zero3_ac.lifecycle_stats(aside) is None, "the engine left to stock runs the lifecycle"
+    assert not any(is_gather_unit(module) for module in aside.module.modules()), "gather units marked on a stock engine"
+    assert_partitioned(aside, "after training")
+    if case.as_plain_pytorch:
+        assert_close_deltas({name: values[name] - initial[name] for name in expected}, expected, torch.float32)
+    for name, engine in (("before", before), ("after", after)):
+        engine.backward(engine(micro_batches(1, dist.get_world_size(), requires_grad=True)[0][dist.get_rank()]))
+        engine.step()
+        assert (zero3_ac.lifecycle_stats(engine) is not None) == zero3_ac.is_active(), f"engine created {name}"
+        assert any(is_gather_unit(module) for module in engine.module.modules()) == zero3_ac.is_active(), name
+        assert_nothing_drained(engine, f"engine created {name}")
+
+    with stock_deepspeed():
+        _, stock_losses, stock_values = train_steps(twin, config, case.optimizer, batches)
+    assert torch.equal(losses, stock_losses), f"losses {losses.tolist()} against stock's {stock_losses.tolist()}"
+    for name, value in stock_values.items():
+        assert torch.equal(values[name], value), f"{name} differs from stock's"
+
+
+@pytest.mark.parametrize("setup", list(LEFT_TO_STOCK))
+def test_engine_left_to_stock_trains_as_stock_beside_fork_engines(setup):
+    """DeepCompile and ZenFlow (ZeRO-3) engines run stock, bit for bit, beside engines that keep the fork.
+
+    On CPU the DeepCompile engine trains before ``engine.compile()`` (DeepCompile's op needs CUDA),
+    and ZenFlow inside its full warm-up rounds (see ``zenflow_config``).
+    """
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    if setup == "zenflow" and "zenflow" not in DeepSpeedZeroConfig.model_fields:
+        pytest.skip("this DeepSpeed has no ZenFlow")
+    run_distributed(WORLD_SIZE, left_to_stock_case, setup)
+
+
+def deepcompile_switched_on_late_case():
+    from zero3_ac.runtime.engine import UnsupportedSetup
+    torch.manual_seed(44)
+    engine = make_engine(CheckpointedStack(blocks=2), zero_config(3))
+    engine._config.compile_config.deepcompile = True
+    with pytest.raises(UnsupportedSetup, match="config passed to deepspeed.initialize"):
+        engine.compile()
     engine.destroy()
 
 
-def test_deepcompile_is_refused_with_the_two_ways_out():
-    """DeepCompile removes the module hooks the lifecycle runs on; silently losing it is refused."""
-    run_distributed(WORLD_SIZE, deepcompile_case)
-
-
-def zenflow_case():
-    import zero3_ac
-    from zero3_ac.runtime.engine import UnsupportedSetup
-    torch.manual_seed(45)
-    config = zero_config(3, offload_optimizer={"device": "cpu"}, zenflow={"topk_ratio": 0.1})
-    config["zero_force_ds_cpu_optimizer"] = False
-    if zero3_ac.is_active():
-        with pytest.raises(UnsupportedSetup, match="ZERO3_AC_DISABLE=1"):
-            make_engine(CheckpointedStack(blocks=2), config)
-
-
-def test_zenflow_on_zero_3_is_refused_with_the_two_ways_out():
-    """ZenFlow transposes params between the module hooks that the lifecycle replaces."""
-    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    if "zenflow" not in DeepSpeedZeroConfig.model_fields:
-        pytest.skip("this DeepSpeed has no ZenFlow")
-    run_distributed(WORLD_SIZE, zenflow_case)
+def test_deepcompile_switched_on_after_initialize_is_refused():
+    """The fork's hooks are on every module by then: DeepCompile would silently take over from them."""
+    if fork_disabled():
+        pytest.skip("stock DeepSpeed runs DeepCompile (its op needs CUDA)")
+    run_distributed(WORLD_SIZE, deepcompile_switched_on_late_case)
 
 
 class OptionalTail(torch.nn.Module):
