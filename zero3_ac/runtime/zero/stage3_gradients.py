@@ -30,8 +30,6 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     accumulation (``managed_gradient_accumulation: false``, 0.19.8+) the boundary is ``step()``:
     upstream copies only the params reduced in the window, and the fork gives the others the same
     zero gradient there, so managed and unmanaged accumulation take the same step.
-"""
-
 
 Note: [A gradient that arrives twice in one backward]
     Reentrant checkpointing backpropagates each region's recomputed graph in a nested backward of
