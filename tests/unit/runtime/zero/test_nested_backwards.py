@@ -6,10 +6,7 @@ per nested backward of the one ``engine.backward`` (stage3_gradients' [A gradien
 twice in one backward]). The pattern: a reward model scoring the chosen and the rejected answer
 with two forwards of the same engine and one backward of the summed pairwise loss. Stock ZeRO-3
 asserts that a bucket holds distinct params, or with a bucket flushed in between keeps only the
-last gradient. PEFT AdaLoRA, whose orthogonal regulariser multiplies every adapter matrix by
-itself after the model's forward, uses its adapters inside and outside the checkpointed layers;
-on a tiny Llama it trains like plain PyTorch on stock DeepSpeed 0.19.8 too, and stays here as a
-parity case. Each case trains against plain PyTorch (gradient clipping on, as trainers set it)
+last gradient. Each case trains against plain PyTorch (gradient clipping on, as trainers set it)
 and checks that nothing is left gathered or held.
 """
 
@@ -97,65 +94,3 @@ def test_reward_model_chosen_and_rejected_forwards_with_reentrant_checkpointing(
     """Each region's nested backward reduces the shared adapters: into one bucket (stock asserts that
     a bucket holds distinct params) or, with a bucket of one param, twice (stock keeps the last)."""
     run_distributed(WORLD_SIZE, reward_model_case, gas, bucket)
-
-
-# ---------------------------------------------------------------------------------- PEFT AdaLoRA
-VOCAB = 64
-
-
-def tiny_adalora_llama(use_reentrant):
-    from peft import AdaLoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, max_position_embeddings=32))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    if use_reentrant:
-        model.enable_input_require_grads()
-    config = AdaLoraConfig(init_r=4, target_r=2, lora_alpha=8, lora_dropout=0.0, total_step=100, orth_reg_weight=0.5,
-                           target_modules=["q_proj", "v_proj"])
-    model = get_peft_model(model, config)
-    # AdaLoRA starts its singular values at zero; non-zero ones give every adapter a gradient from its region too.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_E" in name:
-                param.normal_(std=0.5)
-    model.train()
-    return model
-
-
-def adalora_loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss  # AdaLoRA adds its orthogonal regulariser to ``loss`` in training
-
-
-def adalora_case(use_reentrant):
-    import deepspeed.comm as dist
-    assert_fork_state()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = tiny_adalora_llama(use_reentrant)
-    generator = torch.Generator().manual_seed(7)
-    data = [[(torch.randint(0, VOCAB, (2, 12), generator=generator), ) for _ in range(world_size)]
-            for _ in range(STEPS)]
-    expected = reference_deltas(model, data, 1, adalora_loss)
-    config = zero_config(3)
-    config["gradient_clipping"] = CLIP
-    engine = make_engine(model, config)
-    initial = named_values(engine)
-    for index, row in enumerate(data):
-        engine.backward(adalora_loss(engine, *row[rank]))
-        assert_partitioned(engine, f"after backward {index}")
-        engine.step()
-        assert_partitioned(engine, f"after step {index}")
-    final = named_values(engine)
-    assert_close_deltas({name: final[name] - initial[name] for name in expected}, expected, torch.float32,
-                        context=f"use_reentrant={use_reentrant}: ")
-    assert_nothing_drained(engine, "AdaLoRA")
-    engine.destroy()
-
-
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
-def test_peft_adalora_orthogonal_regulariser_with_checkpointing(use_reentrant):
-    """The adapters are used in their layers' regions and by the regulariser after the forward;
-    the first step gathers them with ``GatheredParameters(fwd_module=...)`` (test_gathered_parameters)."""
-    run_distributed(WORLD_SIZE, adalora_case, use_reentrant)
