@@ -68,3 +68,39 @@ def gathered_for_another_layer_case(frozen, checkpointing):
                                                    (True, "nonreentrant")])
 def test_gathered_parameters_with_fwd_module_inside_the_forward(frozen, checkpointing):
     run_distributed(WORLD_SIZE, gathered_for_another_layer_case, frozen, checkpointing)
+
+
+class BroadcastsIntoAHeldParam(torch.nn.Module):
+    """Opens ``GatheredParameters(..., modifier_rank=0, fwd_module=self)`` in its forward."""
+
+    def __init__(self, dim=DIM):
+        super().__init__()
+        self.layer1 = torch.nn.Linear(dim, dim)
+        self.layer2 = WeightTakingLayer(dim)
+
+    def forward(self, x):
+        import deepspeed
+        x = torch.tanh(self.layer1(x))
+        with deepspeed.zero.GatheredParameters(self.layer1.weight, modifier_rank=0, fwd_module=self):
+            return self.layer2(x, self.layer1.weight).pow(2).mean()
+
+
+def broadcast_into_held_param_case():
+    import deepspeed.comm as dist
+    from tests.unit.runtime.zero.zero_case import assert_fork_state, make_engine, micro_batches, zero_config
+    assert_fork_state()
+    torch.manual_seed(71)
+    engine = make_engine(BroadcastsIntoAHeldParam(), zero_config(3))
+    x = micro_batches(1, dist.get_world_size())[0][dist.get_rank()]
+    try:
+        engine.backward(engine(x))  # the first forward gathers the param itself: nothing holds it
+        engine.step()
+        with pytest.raises(RuntimeError, match="outside the engine's forward and backward"):
+            engine(x)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.stock_fails
+def test_an_update_broadcast_into_a_param_a_module_holds_is_refused_with_the_fix():
+    run_distributed(WORLD_SIZE, broadcast_into_held_param_case)
