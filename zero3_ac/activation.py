@@ -52,6 +52,7 @@ def _patches():
     from deepspeed.runtime.zero import partitioned_param_coordinator as stock_coordinator
     from deepspeed.runtime.zero import stage3 as stock_stage3
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import borrowed_params
@@ -83,11 +84,17 @@ def _patches():
         _wrapping(DeepSpeedEngine, "_configure_zero_optimizer", fork_engine.configure_zero_optimizer),
         (LinearFunctionForZeroStage3, "forward", fork_linear.replacement_forward(LinearFunctionForZeroStage3)),
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
-          for name in ("partition_grads", "independent_gradient_partition_epilogue", "zero_grad")),
+          for name in ("reduce_ready_partitions_and_remove_grads", "partition_grads",
+                       "independent_gradient_partition_epilogue", "zero_grad")),
     ]
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
                                  stage3_gradients.finalize_gradient_accumulation_boundary))
+    if "_params_to_partition" in GatheredParameters.__dict__:
+        patches.append(_wrapping(GatheredParameters, "_params_to_partition",
+                                 fork_partition_parameters.params_to_partition_leaving_held_ones))
+    else:
+        patches.append(_wrapping(GatheredParameters, "__exit__", fork_partition_parameters.exit_leaving_held_params))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches

@@ -1,4 +1,5 @@
-"""Debug printing in the hot path: extends upstream ``partition_parameters.py`` (and ``stage3.py``).
+"""Debug printing in the hot path, and ``GatheredParameters`` around a param a module holds: extends
+upstream ``partition_parameters.py`` (and ``stage3.py``'s ``print_rank_0``).
 
 Note: [Debug printing that prints nothing]
     ZeRO-3's ``print_rank_0(message, debug=False, force=False)`` (one in ``partition_parameters.py``,
@@ -6,6 +7,20 @@ Note: [Debug printing that prints nothing]
     ``force``, and is called several times for every param partitioned: about 500 releases a step
     on a LoRA model, each paying a ``dist.get_rank()`` to print nothing. The replacement looks at
     the flags first; what it prints, and where, is upstream's.
+
+Note: [A context that gathers what a module holds]
+    ``GatheredParameters(params, fwd_module=module)`` registers ``params`` as external params of
+    ``module``, gathers them, and partitions them at its exit; DeepSpeed's docs show it inside
+    ``module``'s forward, gathering a child's weight for another child. From the second forward on,
+    ``module``'s own fetch has gathered those params before its forward runs (they are its external
+    params now) and the running call holds them, so the context's exit partitions params in use:
+    upstream's ``free_param`` raises ``Cannot free a ZeRO-3 parameter while it is still active``.
+    The same happens to any context opened inside a forward on params a running module holds.
+    The context does not hold what it gathers beyond its exit, so it has no say over params others
+    hold: its exit partitions the params no live invocation holds and leaves the others to their
+    holders, which release them when their calls are done. A context that broadcasts an update
+    (``modifier_rank``) to held params is refused with the fix named: writing the update into the
+    partition means releasing a param its holder is still using.
 """
 
 
@@ -18,3 +33,46 @@ def print_rank_0_checking_flags_first(stock):
 
     print_rank_0.__doc__ = stock.__doc__
     return print_rank_0
+
+
+_HELD_AND_MODIFIED = (
+    "zero3_ac: GatheredParameters(modifier_rank={rank}) exits on params that a running module still holds "
+    "(ds_id {ids}: its own params, or external params it registered, e.g. with fwd_module=...). ZeRO-3 can write "
+    "an update into a param's partition only by releasing the param, which the module is still using. Modify them "
+    "outside the engine's forward and backward (before the forward, or between steps), or leave them unmodified "
+    "and use modifier_rank=None.")
+
+
+def _held(params) -> list:
+    return [param for param in params if param.ds_active_sub_modules]
+
+
+def _refuse_held_and_modified(context, held) -> None:
+    if context.src_rank is not None:
+        raise RuntimeError(_HELD_AND_MODIFIED.format(rank=context.src_rank, ids=[param.ds_id for param in held]))
+
+
+def params_to_partition_leaving_held_ones(context, stock):
+    """Wraps ``GatheredParameters._params_to_partition`` (0.19.8): what the context's exit partitions,
+    less the params a live invocation holds (Note [A context that gathers what a module holds])."""
+    params = stock(context)
+    held = _held(params)
+    if not held:
+        return params
+    _refuse_held_and_modified(context, held)
+    return [param for param in params if not param.ds_active_sub_modules]
+
+
+def exit_leaving_held_params(context, stock, *exc):
+    """Wraps ``GatheredParameters.__exit__`` where it partitions ``self.params`` itself (0.18.5, 0.19.2):
+    the exit leaves the params a live invocation holds to their holders."""
+    held = _held(context.params) if context.enabled else []
+    if not held:
+        return stock(context, *exc)
+    _refuse_held_and_modified(context, held)
+    every_param = context.params
+    context.params = [param for param in every_param if not param.ds_active_sub_modules]
+    try:
+        return stock(context, *exc) if context.params else None
+    finally:
+        context.params = every_param

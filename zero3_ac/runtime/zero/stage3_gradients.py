@@ -1,6 +1,7 @@
-"""ZeRO-3 gradient accumulation when micro-batches use different params: extends upstream
-``runtime/zero/stage3.py`` (``partition_grads``, ``independent_gradient_partition_epilogue``,
-``zero_grad``).
+"""ZeRO-3 gradient accumulation when micro-batches use different params, and when one backward
+delivers a param's gradient more than once: extends upstream ``runtime/zero/stage3.py``
+(``reduce_ready_partitions_and_remove_grads``, ``partition_grads``,
+``independent_gradient_partition_epilogue``, ``zero_grad``).
 
 Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     ZeRO-3 keeps each param's reduced gradient partition in a flat buffer that lives as long as
@@ -12,9 +13,8 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
       window's, which the step applies a second time;
     - a param unused in a whole window keeps the previous window's gradient, and the step applies
       it again (plain PyTorch: no gradient, no update; ZeRO 1 and 2: a zero gradient);
-    - a param reduced twice in micro-step 0 (used by two reentrant checkpoints, whose nested
-      backwards reduce it one after the other when the bucket was flushed in between) keeps only
-      its second gradient.
+    - a param reduced twice in micro-step 0 (Note [A gradient that arrives twice in one backward],
+      when the bucket was flushed in between) keeps only its second gradient.
 
     So data-dependent control flow (routing, optional branches, early exits) trains on wrong
     gradients silently; only the first window is right, because the buffer starts at zero.
@@ -31,6 +31,26 @@ Note: [Micro-step 0 copies, and nothing else clears the gradient partitions]
     upstream copies only the params reduced in the window, and the fork gives the others the same
     zero gradient there, so managed and unmanaged accumulation take the same step.
 
+Note: [A gradient that arrives twice in one backward]
+    Reentrant checkpointing backpropagates each region's recomputed graph in a nested backward of
+    its own, and torch runs a param's ``AccumulateGrad`` (and the reduce hook ZeRO-3 registers
+    after it) once per graph task that reaches the param. A param used in two regions (a reward
+    model's chosen and rejected forwards with one summed loss, one block called twice) or in a
+    region and outside any (PEFT AdaLoRA's orthogonal regulariser over every adapter after the
+    forward) therefore fires its hook twice in one ``engine.backward``. ZeRO-3's hook moves the
+    gradient into the reduce bucket (``param.grad.data`` becomes a view of the bucket's buffer)
+    and appends the param; the second ``AccumulateGrad`` adds the new gradient into that view in
+    place (outside ``create_graph``), and the second hook appends the param again, so the bucket
+    holds the sum twice and upstream asserts that a bucket holds distinct params. If the bucket
+    was reduced in between, the second gradient is reduced on its own and the window's partition
+    must add it (Note [Micro-step 0 copies, and nothing else clears the gradient partitions]).
+
+    The fork lets a hook that fires again for a param still waiting in a bucket leave the bucket
+    as it is: the bucketed gradient already holds the sum. Should ``AccumulateGrad`` have replaced
+    ``param.grad`` instead of adding in place (a ``create_graph`` backward), the new sum is copied
+    back into the bucket's view first. Only the second firing pays: the first is a set lookup.
+    Non-reentrant checkpointing needs none of this (one graph task accumulates each param once).
+
 The optimizer of an engine left to stock (Note [Engines left to stock] in ``runtime/engine.py``)
 runs upstream's methods unchanged.
 """
@@ -44,6 +64,7 @@ from zero3_ac.runtime.zero.stock_engines import left_to_stock
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
 _REDUCED = "_zero3_ac_reduced_this_backward"
+_BUCKETED = "_zero3_ac_bucketed_this_backward"  # ds_id -> the gradient the hook left in a bucket
 
 
 def _ids(optimizer, attribute) -> set:
@@ -74,6 +95,28 @@ def _accumulating(optimizer):
         optimizer.micro_step_id = micro_step_id
 
 
+def _waiting_in_a_bucket(optimizer, param) -> bool:
+    return any(waiting is param for bucket in optimizer.ipg_buckets.values() for waiting in bucket.params)
+
+
+def reduce_ready_partitions_and_remove_grads(optimizer, stock, param):
+    """Wraps the reduce hook's body: a gradient that arrives again for a param still waiting in a
+    bucket was summed into the bucketed one (Note [A gradient that arrives twice in one backward])."""
+    if left_to_stock(optimizer):
+        return stock(optimizer, param)
+    bucketed = optimizer.__dict__.setdefault(_BUCKETED, {})
+    earlier = bucketed.get(param.ds_id)
+    if earlier is not None and _waiting_in_a_bucket(optimizer, param):
+        if param.grad is not None and param.grad.data_ptr() != earlier.data_ptr():
+            earlier.copy_(param.grad)
+            param.grad.data = earlier
+        return None
+    result = stock(optimizer, param)
+    if any(bucket.params and bucket.params[-1] is param for bucket in optimizer.ipg_buckets.values()):
+        bucketed[param.ds_id] = param.grad.detach()
+    return result
+
+
 def partition_grads(optimizer, stock, params_to_release, grad_partitions):
     """Wraps ``partition_grads``: each partition sums the gradients it gets in the window."""
     if left_to_stock(optimizer):
@@ -84,6 +127,10 @@ def partition_grads(optimizer, stock, params_to_release, grad_partitions):
     again = [(param, grad) for param, grad in pairs if param.ds_id in window]
     window.update(param.ds_id for param in params_to_release)
     _ids(optimizer, _REDUCED).update(param.ds_id for param in params_to_release)
+    bucketed = optimizer.__dict__.get(_BUCKETED)
+    if bucketed:
+        for param in params_to_release:
+            bucketed.pop(param.ds_id, None)
     if optimizer.micro_step_id != 0:
         partitions = getattr(optimizer, _GRAD_PARTITIONS)
         for param, _ in fresh:
@@ -113,6 +160,7 @@ def independent_gradient_partition_epilogue(optimizer, stock):
     if optimizer.offload_optimizer and _at_boundary(optimizer):
         _offload_unreduced(optimizer, reduced)
     reduced.clear()
+    optimizer.__dict__.pop(_BUCKETED, None)
 
 
 def _offload_unreduced(optimizer, reduced) -> None:
