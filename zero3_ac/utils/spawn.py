@@ -23,13 +23,22 @@ import time
 
 MASTER_ADDR = "127.0.0.1"
 SHM_BUFFER_PREFIX = "/dev/shm/deepspeed_allreduce_buffer"
+_ports_handed_out = []
 
 
 def free_port(addr=MASTER_ADDR) -> int:
-    """A TCP port that nothing listens on now (the OS's pick)."""
+    """A TCP port that nothing listens on now (the OS's pick); remembered in :func:`ports_handed_out`."""
     with socket.socket() as sock:
         sock.bind((addr, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    _ports_handed_out.append(port)
+    return port
+
+
+def ports_handed_out() -> list:
+    """Every port :func:`free_port` gave this process: the runs whose shm buffers are this process's to
+    remove (a test session checks that none is left)."""
+    return list(_ports_handed_out)
 
 
 def rank_environment(rank, world_size, port, addr=MASTER_ADDR) -> dict:
@@ -88,6 +97,55 @@ def remove_own_shm_buffer() -> int:
     if port is None or rank is None:
         return 0
     return remove_shm_buffers(port, os.environ.get("MASTER_ADDR", ""), rank)
+
+
+def destroy_process_groups():
+    """Note: [Process groups at interpreter exit]
+
+    Neither DeepSpeed, the HF Trainer nor TRL destroys the process groups it uses (accelerate does in
+    ``Accelerator.end_training()``, which the Trainer does not call), so a rank reached interpreter
+    shutdown with its gloo groups alive and their C++ threads (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``) running. That is the state in which a rank that trained fine can abort at exit
+    with ``terminate called without an active exception`` (SIGABRT): pytorch/pytorch#190489 reports
+    it for gloo without ``destroy_process_group``, and pytorch/pytorch#179291 explains it by a gloo
+    thread that frees a tensor of a collective, and so needs the GIL, while the interpreter
+    finalizes. ``torch.distributed.destroy_process_group()`` alone is not enough: gloo's
+    ``shutdown()`` is a no-op in torch 2.13 and a group's threads stop only when its last reference
+    goes, and DeepSpeed keeps its own (``deepspeed.utils.groups._WORLD_GROUP``, a clone of the world
+    group, among others). ``deepspeed.comm.destroy_process_group()`` releases them from DeepSpeed
+    0.19.3 on (``groups._release_process_group_references``); before, this drops every group that
+    ``deepspeed.utils.groups`` still holds. With the last references gone the groups' threads are
+    joined before the interpreter finalizes, and the rank exits normally (atexit handlers run).
+    Engines and trainers hold groups too: destroy after they are gone (their function returned).
+    """
+    import gc
+    import sys
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None and getattr(comm, "cdb", None) is not None:
+        comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None and not hasattr(groups, "_release_process_group_references"):
+        for name, value in list(vars(groups).items()):
+            if isinstance(value, dist.ProcessGroup):
+                setattr(groups, name, None)
+            elif isinstance(value, dict):
+                for key in [key for key, group in value.items() if isinstance(group, dist.ProcessGroup)]:
+                    del value[key]
+    gc.collect()  # engines' and optimizers' reference cycles that hold groups
+
+
+def finish_rank():
+    """At a rank's exit, training or failing: destroy the process groups (Note: [Process groups at
+    interpreter exit]) and remove this rank's shm buffer (Note: [DeepSpeed's shm all-reduce buffers])."""
+    try:
+        destroy_process_groups()
+    finally:
+        remove_own_shm_buffer()
 
 
 class Ranks:
