@@ -23,7 +23,7 @@ from zero3_ac.utils.spawn import remove_shm_buffers, shm_buffers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
-DS_CONFIG = os.path.join(EXAMPLES, "ds_config_zero3.json")
+DS_CONFIG = os.path.join(EXAMPLES, "ds_config_zero3_tiny_model.json")
 ACCELERATE_CONFIG = os.path.join(EXAMPLES, "accelerate_zero3.yaml")
 WORLD_SIZE = 2
 STEPS = 4
