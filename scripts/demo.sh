@@ -13,7 +13,13 @@ trap 'rm -f "$VERDICTS"' EXIT
 status=0
 for DSVER in ${ZERO3_AC_DS_VERSIONS:-0.19.2 0.19.8}; do
     echo "================================================================ DeepSpeed $DSVER"
-    bash "$REPO/scripts/setup_env.sh" "$DSVER" >/dev/null
+    echo "setting up .venv/ds-$DSVER (scripts/setup_env.sh; the first time a few minutes) ..."
+    SETUP_LOG=$REPO/.cache/setup_env-ds-$DSVER.log
+    mkdir -p "$REPO/.cache"
+    if ! bash "$REPO/scripts/setup_env.sh" "$DSVER" >"$SETUP_LOG" 2>&1; then
+        cat "$SETUP_LOG"
+        exit 1
+    fi
     OUTPUT=$(mktemp)
     TORCH_EXTENSIONS_DIR=$REPO/.cache/torch_extensions/ds-$DSVER \
         "$REPO/.venv/ds-$DSVER/bin/python" examples/demo.py "$@" | tee "$OUTPUT" || status=1
