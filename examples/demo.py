@@ -118,43 +118,44 @@ def crash_shapes(error):
 
 
 def train_rank(rank, queue, mode, steps):
-    """One rank of one mode: train ``steps`` steps, report each to the parent, clean up."""
+    """One rank of one mode: train, then destroy the process groups and remove the rank's shm buffer."""
     quiet()
+    from zero3_ac.utils.spawn import finish_rank
+    try:
+        train(rank, queue, mode, steps)
+    finally:
+        finish_rank()
+
+
+def train(rank, queue, mode, steps):
+    """Train ``steps`` steps, reporting each to the parent; a crash is reported and ends the run."""
     import deepspeed
-    import torch
     import zero3_ac
     from transformers.integrations import HfDeepSpeedConfig
     from zero3_ac.utils.gather_meter import GatherMeter
-    from zero3_ac.utils.spawn import remove_own_shm_buffer
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed print()s that it built its CPU comm op
-            deepspeed.init_distributed(dist_backend="gloo")
-        hf_ds_config = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (alive while the model is built)
-        model = build_model()
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer_for(model), config=DS_CONFIG)
-        initial = full_state(engine)
-        queue.put(dict(kind="start", mode=mode, rank=rank, fork_active=zero3_ac.is_active(),
-                       initial_state=initial if rank == 0 else None))
-        meter = GatherMeter(engine)
-        inputs = batch(rank)
-        for step in range(steps):
-            try:
-                loss = engine(**inputs).loss
-                engine.backward(loss)
-                engine.step()
-            except Exception as error:
-                queue.put(dict(kind="crash", mode=mode, rank=rank, step=step, error=type(error).__name__,
-                               message=str(error).strip().split("\n")[0], shapes=crash_shapes(error)))
-                return
-            taken = meter.take()
-            queue.put(dict(kind="step", mode=mode, rank=rank, step=step, loss=loss.item(),
-                           phase_bytes=taken["phase_bytes"],
-                           regathered_bytes=backward_pass_regathered_bytes(taken["regathered_bytes"])))
-        engine.destroy()
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        remove_own_shm_buffer()
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed print()s that it built its CPU comm op
+        deepspeed.init_distributed(dist_backend="gloo")
+    hf_ds_config = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (alive while the model is built)
+    model = build_model()
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer_for(model), config=DS_CONFIG)
+    initial = full_state(engine)
+    queue.put(dict(kind="start", mode=mode, rank=rank, fork_active=zero3_ac.is_active(),
+                   initial_state=initial if rank == 0 else None))
+    meter = GatherMeter(engine)
+    inputs = batch(rank)
+    for step in range(steps):
+        try:
+            loss = engine(**inputs).loss
+            engine.backward(loss)
+            engine.step()
+        except Exception as error:
+            queue.put(dict(kind="crash", mode=mode, rank=rank, step=step, error=type(error).__name__,
+                           message=str(error).strip().split("\n")[0], shapes=crash_shapes(error)))
+            return
+        taken = meter.take()
+        queue.put(dict(kind="step", mode=mode, rank=rank, step=step, loss=loss.item(), phase_bytes=taken["phase_bytes"],
+                       regathered_bytes=backward_pass_regathered_bytes(taken["regathered_bytes"])))
+    engine.destroy()
 
 
 def run_mode(mode, steps):
