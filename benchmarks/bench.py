@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from spawn import rank_environment, start_ranks  # noqa: E402
+from spawn import start_ranks, use_rank_device  # noqa: E402
 from workload import MODELS, AllGatherCounter, build_model, zero3_config  # noqa: E402
 
 STRICT = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
@@ -138,7 +138,7 @@ def run_one(args, meter, impl, ac, strict, full, rank, world_size):
 
 
 def worker(rank, world_size, port, args, queue):
-    rank_environment(rank, world_size, port, args.device)
+    use_rank_device(rank, args.device)
     import warnings
     warnings.filterwarnings("ignore")
     meter = Meter()
@@ -201,7 +201,8 @@ def main():
     args.seq = args.seq or (2048 if gpu else 64)
     args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 1)
     args.steps = args.steps if args.steps is not None else (6 if gpu else 2)
-    processes, queue = start_ranks(worker, args.nproc, args)
+    ranks = start_ranks(worker, args.nproc, args)
+    processes, queue = ranks.processes, ranks.queue
     results = []
     total = args.rounds * len(configurations(not args.no_full, args.ac, args.default_only)) * 2
     if args.out:
@@ -218,8 +219,8 @@ def main():
             if out is not None:
                 out.write(json.dumps(result) + "\n")
                 out.flush()
-    for process in processes:
-        process.join()
+    ranks.join()
+    ranks.close()
     return 0 if len(results) == total else 1
 
 

@@ -143,8 +143,6 @@ def profile_fork(args, path):
 
 
 def worker(rank, world_size, port, args, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     torch.set_num_threads(1)
     import warnings
     warnings.filterwarnings("ignore")
@@ -197,7 +195,8 @@ def main():
     parser.add_argument("--profile", default=None, help="write a cProfile of one fork engine here")
     parser.add_argument("--out", default=None, help="JSON output")
     args = parser.parse_args()
-    processes, queue = start_ranks(worker, args.nproc, args)
+    ranks = start_ranks(worker, args.nproc, args)
+    processes, queue = ranks.processes, ranks.queue
     rows = []
     while True:
         row = queue.get()
@@ -206,8 +205,8 @@ def main():
         rows.append(row)
         measured = row["error"] or f"median {statistics.median(row['times']) * 1e3:8.2f} ms"
         print(f"round {row['round']} {row['ac']:<12} {row['impl']:<5} {measured}", flush=True)
-    for process in processes:
-        process.join()
+    ranks.join()
+    ranks.close()
     if any(process.exitcode for process in processes):
         return 1
     result = summarize(rows, args)

@@ -24,8 +24,9 @@ import torch
 
 from dtypes import ComputeDtypes, param_dtypes
 from peer_worker import ZERO_SYSTEMS, PeakMemory, remove_shm_buffer, setup
-from spawn import rank_environment
+from spawn import use_rank_device
 from workload import MODELS
+from zero3_ac.utils import spawn as rank_spawn
 
 AA_SUFFIX = "#2"
 
@@ -42,7 +43,10 @@ def _error_text(exc):
 
 def serve(rank, world_size, port, args, connection):
     """One rank of one system: set up, warm up, say ready, then run the blocks of steps it is sent."""
-    rank_environment(rank, world_size, port, args.device)
+    os.environ.update(rank_spawn.rank_environment(rank, world_size, port))
+    if args.device == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    use_rank_device(rank, args.device)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

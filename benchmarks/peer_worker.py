@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from dtypes import ComputeDtypes, param_dtypes
-from spawn import rank_environment
+from spawn import use_rank_device
 from workload import (MODELS, QUANT_STORAGE, AllGatherCounter, build_model, build_qlora_model, cast_unquantized,
                       zero3_config)
 
@@ -250,7 +250,7 @@ def measure(args, system, rank, world_size, allgathers):
 
 
 def worker(rank, world_size, port, args, queue):
-    rank_environment(rank, world_size, port, args.device)
+    use_rank_device(rank, args.device)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()

@@ -80,36 +80,20 @@ def configurations(args):
 def run_configuration(args, world, system, mode, ac):
     """One configuration in fresh processes; the rank results merged (peak memory: the largest rank's)."""
     child = argparse.Namespace(**{**vars(args), "system": system, "mode": mode, "ac": ac})
-    saved = os.environ.get("ZERO3_AC_DISABLE")
-    os.environ["ZERO3_AC_DISABLE"] = "0" if system == "fork" else "1"
-    try:
-        processes, queue = start_ranks(worker, world, child)
-    finally:
-        if saved is None:
-            os.environ.pop("ZERO3_AC_DISABLE")
-        else:
-            os.environ["ZERO3_AC_DISABLE"] = saved
-    deadline = time.monotonic() + args.timeout_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    timed_out = [process for process in processes if process.is_alive()]
-    for process in timed_out:
-        process.kill()
-        process.join()
-    ranks = {}
-    while not queue.empty():
-        rank, result = queue.get()
-        ranks[rank] = result
-    result = dict(ranks.get(0) or {})
-    if timed_out:
+    ranks = start_ranks(worker, world, child, env={"ZERO3_AC_DISABLE": "0" if system == "fork" else "1"})
+    finished = ranks.join(args.timeout_s)
+    by_rank = dict(ranks.drain())
+    ranks.close()
+    result = dict(by_rank.get(0) or {})
+    if not finished:
         result.setdefault("error", None)
         result["error"] = result["error"] or f"timed out after {args.timeout_s} s"
-    elif len(ranks) < world:
-        result["error"] = result.get("error") or f"{world - len(ranks)} rank(s) died without a result"
-    elif any(rank.get("error") for rank in ranks.values()):
-        result["error"] = next(rank["error"] for rank in ranks.values() if rank.get("error"))
+    elif len(by_rank) < world:
+        result["error"] = result.get("error") or f"{world - len(by_rank)} rank(s) died without a result"
+    elif any(rank.get("error") for rank in by_rank.values()):
+        result["error"] = next(rank["error"] for rank in by_rank.values() if rank.get("error"))
     if not result["error"]:
-        result["peak_mem_gib_by_rank"] = [ranks[rank]["peak_mem_gib"] for rank in sorted(ranks)]
+        result["peak_mem_gib_by_rank"] = [by_rank[rank]["peak_mem_gib"] for rank in sorted(by_rank)]
         result["peak_mem_gib"] = max(result["peak_mem_gib_by_rank"])
     result.update(world=world, system=system, mode=mode, ac=ac, shape=args.shape, model=args.model, seq=args.seq,
                   mbs=args.mbs, device=args.device)

@@ -1,29 +1,23 @@
-"""Start one spawned worker process per rank on a free local port; results come back through a queue."""
+"""Start the benchmarks' ranks with zero3_ac.utils.spawn: fresh processes, each rank's environment set from its start."""
 
 import os
-import socket
 
-import torch
-
-
-def start_ranks(worker, nproc, args):
-    """Run ``worker(rank, nproc, port, args, queue)`` in ``nproc`` processes; returns (processes, queue)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = torch.multiprocessing.get_context("spawn")
-    queue = context.SimpleQueue()
-    processes = [context.Process(target=worker, args=(rank, nproc, port, args, queue)) for rank in range(nproc)]
-    for process in processes:
-        process.start()
-    return processes, queue
+from zero3_ac.utils import spawn
 
 
-def rank_environment(rank, world_size, port, device):
-    """In a rank process: the variables torch.distributed and DeepSpeed read, and the rank's device."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device == "cpu":
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    else:
+def _run_worker(rank, queue, worker, world_size, args):
+    worker(rank, world_size, int(os.environ["MASTER_PORT"]), args, queue)
+
+
+def start_ranks(worker, nproc, args, env=None):
+    """Run ``worker(rank, nproc, port, args, queue)`` in ``nproc`` processes; returns their
+    :class:`zero3_ac.utils.spawn.Ranks` (close it to remove the run's shm buffers)."""
+    device_env = {"DS_ACCELERATOR": "cpu"} if getattr(args, "device", "cpu") == "cpu" else {}
+    return spawn.start_ranks(_run_worker, nproc, args=(worker, nproc, args), env={**device_env, **(env or {})})
+
+
+def use_rank_device(rank, device):
+    """In a rank process: its GPU (one per rank), on CUDA."""
+    if device != "cpu":
+        import torch
         torch.cuda.set_device(rank)

@@ -55,8 +55,6 @@ def record(impl, args, rank):
 
 
 def worker(rank, world_size, port, args, queue):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
     import warnings
     warnings.filterwarnings("ignore")
     import deepspeed
@@ -135,10 +133,11 @@ def main():
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--mbs", type=int, default=2)
     args = parser.parse_args()
-    processes, queue = start_ranks(worker, args.nproc, args)
+    ranks = start_ranks(worker, args.nproc, args)
+    processes, queue = ranks.processes, ranks.queue
     results = [queue.get() for _ in IMPLS]
-    for process in processes:
-        process.join()
+    ranks.join()
+    ranks.close()
     for result in results:
         phases, regathered = totals(result["events"])
         print(f"{result['impl']:<5} {len(result['events'])} events, gathered bytes by phase {phases}, "

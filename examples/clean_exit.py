@@ -1,26 +1,20 @@
-"""Leave no process group to the interpreter's shutdown: ``with process_groups_destroyed_at_exit(): main()``.
+"""Leave no process group and no shm buffer behind: ``with process_groups_destroyed_at_exit(): main()``.
 
-Note: [Process groups at interpreter exit] in zero3_ac/self_test.py says why. Training or failing,
-a launched example destroys torch.distributed's groups before the interpreter exits.
+Training or failing, a launched example's rank destroys torch.distributed's groups and DeepSpeed's
+references to them, so that the interpreter exits normally, atexit handlers (wandb, Hub uploads,
+log flushing) included (Note: [Process groups at interpreter exit] in zero3_ac/utils/spawn.py), and
+removes the shm all-reduce buffer it created (Note: [DeepSpeed's shm all-reduce buffers], same file).
 """
 
 import contextlib
 
-
-def destroy_process_groups():
-    """Destroy the default process group and every group made from it, if there is one (idempotent)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+from zero3_ac.utils.spawn import finish_rank
 
 
 @contextlib.contextmanager
 def process_groups_destroyed_at_exit():
-    """Run the block, then destroy the process groups whether it returned or raised; after a block
-    that returned, leave without the interpreter's finalization, where a gloo thread can abort."""
+    """Run the block (``main()``: the trainer and its engine are gone when it returns), then clean up the rank."""
     try:
         yield
     finally:
-        destroy_process_groups()
-    from zero3_ac.self_test import exit_without_finalizing
-    exit_without_finalizing(0)
+        finish_rank()

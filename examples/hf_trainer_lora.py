@@ -4,7 +4,7 @@ Nothing here mentions the fork: installing ``deepspeed-zero3-ac`` is the only ch
 built from a small config (random init) and trained on a small synthetic dataset, so nothing is
 downloaded. Launch it like any Trainer script (docs/clients.md), on GPUs:
 
-    deepspeed --num_gpus 2 examples/hf_trainer_lora.py --deepspeed examples/ds_config_zero3.json
+    deepspeed --num_gpus 2 examples/hf_trainer_lora.py --deepspeed examples/ds_config_zero3_auto.json
 
     accelerate launch --config_file examples/accelerate_zero3.yaml examples/hf_trainer_lora.py
 
@@ -12,7 +12,7 @@ On CPU (DS_ACCELERATOR=cpu) add ``--ddp-backend gloo``, and give the deepspeed l
 through accelerate's environment instead of ``--deepspeed`` (docs/clients.md says why):
 
     DS_ACCELERATOR=cpu LOCAL_SIZE=2 ACCELERATE_USE_DEEPSPEED=true \\
-        ACCELERATE_DEEPSPEED_CONFIG_FILE=examples/ds_config_zero3.json \\
+        ACCELERATE_DEEPSPEED_CONFIG_FILE=examples/ds_config_zero3_tiny_model.json \\
         deepspeed --num_gpus 2 examples/hf_trainer_lora.py --ddp-backend gloo
 
     DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate_zero3.yaml \\

@@ -7,6 +7,7 @@ Worker pools (tests/unit/common.py) inherit the environment at pool creation,
 so ZERO3_AC_DISABLE is set here, in pytest_configure, before any pool exists.
 """
 
+import contextlib
 import os
 import sys
 
@@ -52,3 +53,28 @@ def pytest_sessionfinish(session, exitstatus):
     common = sys.modules.get("tests.unit.common")
     if common is not None:
         common.shutdown_pools()
+    check_no_shm_buffers_left(session)
+
+
+def check_no_shm_buffers_left(session):
+    """Fail the session if a run of it left DeepSpeed shm all-reduce buffers behind (Note: [DeepSpeed's shm
+    all-reduce buffers] in zero3_ac/utils/spawn.py), and remove them.
+
+    Only this session's runs are looked at: the ports that zero3_ac.utils.spawn.free_port handed out in
+    this process (the harness's pools, the self-test, the demo, the launched examples). Other runs on
+    the host (other sessions, other users) have other ports.
+    """
+    from zero3_ac.utils import spawn
+    left = [path for port in sorted(set(spawn.ports_handed_out())) for path in spawn.shm_buffers(port)]
+    if not left:
+        return
+    for path in left:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"zero3_ac: this session left {len(left)} DeepSpeed shm buffers behind (removed now): {left}"
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

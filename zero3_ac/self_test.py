@@ -7,17 +7,13 @@ head), trains it for a few steps under ZeRO-3 on gloo, and reports what it saw. 
 Only torch and DeepSpeed are needed.
 """
 
-import contextlib
-import glob
 import math
-import os
-import sys
-import socket
-import time
 import traceback
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from zero3_ac.utils.spawn import finish_rank, start_ranks
 
 WORLD_SIZE = 2
 STEPS = 2
@@ -67,12 +63,6 @@ class CheckpointedModel(torch.nn.Module):
         return self.head(x).pow(2).mean()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _gathered_params(engine) -> int:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     return sum(1 for p in engine.module.parameters() if p.ds_status != ZeroParamStatus.NOT_AVAILABLE and not p.ds_persist)
@@ -106,34 +96,8 @@ def _train(rank, report):
     engine.destroy()
 
 
-def _destroy_process_group():
-    """Note: [Process groups at interpreter exit]
-
-    Neither DeepSpeed, the HF Trainer nor TRL destroys the process groups it uses (accelerate does in
-    ``Accelerator.end_training()``, which the Trainer does not call), so each rank of the examples
-    and of this self-test reached interpreter shutdown with its gloo groups still registered and
-    their C++ threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) running. That is the state in which a
-    rank that trained fine can abort at exit with ``terminate called without an active exception``
-    (SIGABRT): pytorch/pytorch#190489 reports it for gloo without ``destroy_process_group``, and
-    pytorch/pytorch#179291 (an atexit ``destroy_process_group``, abandoned) explains it by a gloo
-    thread that frees a tensor of a collective, and so needs the GIL, while the interpreter
-    finalizes. So every rank destroys its groups before it returns, and a rank's exit code counts,
-    not only its report. The destroy is not enough: gloo's ``shutdown()`` is a no-op in torch 2.13,
-    and its threads stop only when the last reference to the group goes, which DeepSpeed keeps
-    after the destroy (``deepspeed.utils.groups._WORLD_GROUP`` among others); the abort was seen
-    again in a fresh-clone CI run of ``python -m zero3_ac doctor`` on DeepSpeed 0.18.5. So a rank
-    that has handed over its report leaves with ``os._exit`` (``exit_without_finalizing``): the
-    interpreter's finalization, where the gloo thread aborts, never runs.
-    """
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def run_rank(rank, port, queue):
-    """One rank (a ``spawn``-ed process): configure the environment before DeepSpeed is imported, train, report."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_SIZE=str(WORLD_SIZE),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+def run_rank(rank, queue):
+    """One rank (a fresh process, its environment set by zero3_ac.utils.spawn): train, report, clean up."""
     report = {"rank": rank, "stage": "setup", "error": None, "fork_active": None, "engine_uses_fork": None,
               "losses": [], "params_left_gathered": 0, "frozen_backward_regathers": 0, "drained_params": 0}
     try:
@@ -145,16 +109,8 @@ def run_rank(rank, port, queue):
     except Exception as error:
         report["error"] = traceback.format_exception_only(type(error), error)[-1].strip().splitlines()[0]
     finally:
-        _destroy_process_group()
+        finish_rank()
     queue.put(report)  # a SimpleQueue: written once put returns
-    exit_without_finalizing(0)
-
-
-def exit_without_finalizing(code):
-    """Flush the standard streams and leave now (Note: [Process groups at interpreter exit])."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def failures(report) -> list:
@@ -179,42 +135,19 @@ def failures(report) -> list:
 
 
 def run(timeout=TIMEOUT_S) -> list:
-    """Run the self-test on ``WORLD_SIZE`` spawned CPU ranks; return their reports (rank order).
+    """Run the self-test on ``WORLD_SIZE`` fresh CPU ranks; return their reports (rank order).
 
     A rank that died or did not report within ``timeout`` seconds gets a report with its error; a
     rank that reported and then did not exit 0 (an abort at interpreter exit) has it in ``exit_code``.
     """
-    import torch.multiprocessing as mp
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    port = free_port()
-    processes = [context.Process(target=run_rank, args=(rank, port, queue), daemon=True) for rank in range(WORLD_SIZE)]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + timeout
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-    reports = {}
-    while not queue.empty():
-        report = queue.get()
-        reports[report["rank"]] = report
-    for rank, process in enumerate(processes):
-        timed_out = process.is_alive()
-        if timed_out:
-            process.kill()
-            process.join()
-        if rank not in reports:
-            reason = f"timed out after {timeout}s" if timed_out else f"exited with code {process.exitcode}"
-            reports[rank] = {"rank": rank, "stage": "train", "error": f"the rank process {reason} without a report"}
-        else:
-            reports[rank]["exit_code"] = process.exitcode
-    remove_shm_buffers(port)
+    with start_ranks(run_rank, WORLD_SIZE, env={"DS_ACCELERATOR": "cpu"}) as ranks:
+        finished = ranks.join(timeout)
+        reports = {report["rank"]: report for report in ranks.drain()}
+        ranks.close()
+        for rank, code in enumerate(ranks.exit_codes):
+            if rank not in reports:
+                reason = f"timed out after {timeout}s" if not finished else f"exited with code {code}"
+                reports[rank] = {"rank": rank, "stage": "train", "error": f"the rank process {reason} without a report"}
+            else:
+                reports[rank]["exit_code"] = code
     return [reports[rank] for rank in range(WORLD_SIZE)]
-
-
-def remove_shm_buffers(port):
-    """Note: DeepSpeed's CPU all-reduce leaves one /dev/shm segment per rank (~66 MB), named after the port."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)

@@ -6,12 +6,10 @@ param was left gathered and no frozen param was gathered twice in a backward. St
 same script: releases before 0.19.3 crash with CheckpointError, later ones gather frozen params again.
 """
 
-import contextlib
 import glob
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -20,21 +18,17 @@ import pytest
 from packaging.version import Version
 
 from zero3_ac import version_guard
+from zero3_ac.utils.spawn import free_port as _free_port
+from zero3_ac.utils.spawn import remove_shm_buffers, shm_buffers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(REPO, "examples")
-DS_CONFIG = os.path.join(EXAMPLES, "ds_config_zero3.json")
+DS_CONFIG = os.path.join(EXAMPLES, "ds_config_zero3_tiny_model.json")
 ACCELERATE_CONFIG = os.path.join(EXAMPLES, "accelerate_zero3.yaml")
 WORLD_SIZE = 2
 STEPS = 4
 TIMEOUT_S = 600
 STOCK_CRASHES = Version(version_guard.installed_deepspeed_version()) < Version("0.19.3")
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tool(name):
@@ -58,10 +52,9 @@ def launch(launcher, example, summary_dir, *args, ds_config=DS_CONFIG, **env):
                 "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", **env}
     if launcher == "deepspeed":  # on CPU the Trainer takes the DeepSpeed config from accelerate's environment
         full_env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=ds_config)
-    try:
-        result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    finally:
-        _remove_shm_buffers(port)
+    result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    result.shm_buffers_left = shm_buffers(port)
+    remove_shm_buffers(port)  # a failing test leaves no 66 MB per rank either
     return result, read_summaries(summary_dir)
 
 
@@ -75,12 +68,6 @@ def read_summaries(summary_dir):
     return summaries
 
 
-def _remove_shm_buffers(port):
-    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 def _output(result):
     return f"exit {result.returncode}\n--- stdout (tail)\n{result.stdout[-4000:]}\n--- stderr (tail)\n{result.stderr[-6000:]}"
 
@@ -89,6 +76,12 @@ def assert_exited_cleanly(result):
     """The launcher exits 0 only when every rank did; an abort at exit also leaves libstdc++'s line."""
     assert result.returncode == 0, _output(result)
     assert "terminate called" not in result.stderr, _output(result)
+    assert_no_shm_buffers_left(result)
+
+
+def assert_no_shm_buffers_left(result):
+    """The ranks removed the DeepSpeed shm buffers they created (examples/clean_exit.py)."""
+    assert result.shm_buffers_left == [], _output(result)
 
 
 def assert_trained_with_the_fork(result, summaries, loss_decreases=True):
@@ -133,6 +126,7 @@ def test_the_same_script_on_stock_deepspeed_crashes_or_gathers_frozen_params_aga
     result, summaries = launch("accelerate", "hf_trainer_lora.py", tmp_path, ZERO3_AC_DISABLE="1")
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     assert not any(summary["fork_active"] for summary in summaries.values())
+    assert_no_shm_buffers_left(result)
     if STOCK_CRASHES:
         assert result.returncode != 0, _output(result)
         for summary in summaries.values():

@@ -63,7 +63,7 @@ def assert_four_bit_weights_partitioned(summaries):
 
 
 def zero0_config(directory):
-    """examples/ds_config_zero3.json with ZeRO disabled (stage 0), written to ``directory``."""
+    """examples/ds_config_zero3_tiny_model.json with ZeRO disabled (stage 0), written to ``directory``."""
     with open(DS_CONFIG) as source:
         config = json.load(source)
     config["zero_optimization"] = {"stage": 0}

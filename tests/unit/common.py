@@ -64,7 +64,6 @@ import importlib
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -72,6 +71,8 @@ import time
 import traceback
 import multiprocessing
 from multiprocessing import connection as mp_connection
+
+from zero3_ac.utils import spawn
 
 __all__ = ["run_distributed", "shutdown_pools", "DistributedTestError", "DistributedTestTimeout"]
 
@@ -257,12 +258,6 @@ def _worker_main(conn, rank, env, parent_pid, stack_file, init_log):
 # --------------------------------------------------------------------------- parent side
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((MASTER_ADDR, 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _patched_environ(env):
     old = {k: os.environ.get(k) for k in env}
@@ -286,7 +281,7 @@ class _Pool:
     def __init__(self, world_size):
         self.world_size = world_size
         self.owner_pid = os.getpid()
-        self.port = _free_port()
+        self.port = spawn.free_port(MASTER_ADDR)
         self.tmpdir = tempfile.mkdtemp(prefix=f"zero3ac-ws{world_size}-")
         self.procs = []
         self.conns = []
@@ -560,14 +555,7 @@ class _Pool:
             p.join(10)
         for conn in self.conns:
             conn.close()
-        # DeepSpeed's CPU shm all-reduce creates one /dev/shm segment per rank
-        # (~66 MB each) named after MASTER_ADDR/PORT and never unlinks it.
-        uid = os.getuid() if hasattr(os, "getuid") else 0
-        for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{self.port}_*"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        spawn.remove_shm_buffers(self.port, MASTER_ADDR)  # Note: [DeepSpeed's shm all-reduce buffers]
         for path in glob.glob(os.path.join(self.tmpdir, "*")):
             try:
                 os.unlink(path)

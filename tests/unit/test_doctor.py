@@ -8,6 +8,7 @@ import pytest
 from packaging.version import Version
 
 from zero3_ac import doctor, self_test, version_guard
+from zero3_ac.utils import spawn
 
 STOCK_CRASHES = Version(version_guard.installed_deepspeed_version()) < Version("0.19.3")
 
@@ -74,3 +75,9 @@ def test_a_passing_report_has_no_failures():
 def test_each_problem_fails_the_report_and_is_named(changes, expected):
     problems = self_test.failures(_passing_report(**changes))
     assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_the_self_test_s_ranks_exit_normally_and_leave_no_shm_buffers():
+    reports = self_test.run()
+    assert [report["exit_code"] for report in reports] == [0, 0], reports
+    assert spawn.shm_buffers(spawn.ports_handed_out()[-1]) == []

@@ -127,3 +127,12 @@ def test_unpicklable_argument_leaves_pool_intact():
     with pytest.raises(Exception):
         run_distributed(2, _env, lambda: None)
     assert run_distributed(2, _pid) == before
+
+
+def test_a_pool_that_shuts_down_leaves_no_shm_buffers():
+    from tests.unit import common
+    from zero3_ac.utils import spawn
+    assert run_distributed(2, _all_reduce, 1) == [3.0, 3.0]
+    port = common._POOLS[2].port
+    common.shutdown_pools()
+    assert spawn.shm_buffers(port, common.MASTER_ADDR) == []

@@ -82,7 +82,7 @@ def _reward(completions, **kwargs):
 
 def _config(kind, use_reentrant):
     import trl
-    with open(os.path.join(EXAMPLES, "ds_config_zero3.json")) as ds_config:
+    with open(os.path.join(EXAMPLES, "ds_config_zero3_tiny_model.json")) as ds_config:
         deepspeed = json.load(ds_config)
     common = dict(output_dir=tempfile.mkdtemp(prefix=f"zero3ac-trl-{kind}-"), deepspeed=deepspeed, max_steps=STEPS,
                   per_device_train_batch_size=BATCH, learning_rate=1e-2, lr_scheduler_type="constant",
