@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from dtypes import ComputeDtypes, param_dtypes
-from peer_worker import ZERO_SYSTEMS, PeakMemory, remove_shm_buffer, setup
+from peer_worker import ZERO_SYSTEMS, PeakMemory, setup
 from spawn import use_rank_device
 from workload import MODELS
 from zero3_ac.utils import spawn as rank_spawn
@@ -100,7 +100,7 @@ def serve(rank, world_size, port, args, connection):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-        remove_shm_buffer(rank)
+        rank_spawn.remove_own_shm_buffer()
 
 
 class System:

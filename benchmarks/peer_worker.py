@@ -15,6 +15,7 @@ import torch
 
 from dtypes import ComputeDtypes, param_dtypes
 from spawn import use_rank_device
+from zero3_ac.utils import spawn as rank_spawn
 from workload import (MODELS, QUANT_STORAGE, AllGatherCounter, build_model, build_qlora_model, cast_unquantized,
                       zero3_config)
 
@@ -271,12 +272,5 @@ def worker(rank, world_size, port, args, queue):
     queue.put((rank, result))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    remove_shm_buffer(rank)
+    rank_spawn.remove_own_shm_buffer()
 
-
-def remove_shm_buffer(rank):
-    """Delete the /dev/shm segment (66 MB) that DeepSpeed's CPU comm op creates for this rank and never removes."""
-    path = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR')}_"
-            f"{os.environ.get('MASTER_PORT')}_{rank}")
-    if os.path.exists(path):
-        os.remove(path)

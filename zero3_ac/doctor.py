@@ -21,7 +21,7 @@ def fork_state():
     version = version_guard.installed_deepspeed_version()
     if activation.disabled_by_env():
         return False, f"zero3_ac {__version__}: disabled by {activation.DISABLE_ENV}=1 (DeepSpeed runs stock)"
-    if not version_guard.is_supported(version):
+    if not version_guard.can_apply(version):
         return False, f"zero3_ac {__version__}: inactive, " + version_guard.unsupported_message(version)
     try:
         import deepspeed  # noqa: F401  (importing it is what activates the fork)
@@ -59,7 +59,7 @@ def doctor() -> int:
     print(f"supported deepspeed: {version_guard.SUPPORTED_RANGE}")
     usable, line = fork_state()
     print(line)
-    if not version_guard.is_supported(version_guard.installed_deepspeed_version()):
+    if not version_guard.can_apply(version_guard.installed_deepspeed_version()):
         print("self-test: skipped (unsupported deepspeed)")
         return 1
     passed = run_self_test()
