@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from dtypes import ComputeDtypes, param_dtypes
-from peer_worker import ZERO_SYSTEMS, PeakMemory, setup
+from peer_worker import PeakMemory, init_process_group, setup
 from spawn import use_rank_device
 from workload import MODELS
 from zero3_ac.utils import spawn as rank_spawn
@@ -50,15 +50,8 @@ def serve(rank, world_size, port, args, connection):
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
-    backend = "gloo" if args.device == "cpu" else "nccl"
     try:
-        if args.system in ZERO_SYSTEMS:
-            import deepspeed
-            from deepspeed.utils import logger
-            logger.setLevel("ERROR")
-            deepspeed.init_distributed(dist_backend=backend)
-        elif args.system == "fsdp2":
-            torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        init_process_group(args, rank, world_size)
         device_name = f"cuda:{rank}" if args.device == "cuda" else "cpu"
         step, engine, trainable, model = setup(args, args.system, world_size, device_name)
         compute = ComputeDtypes(model)

@@ -250,21 +250,26 @@ def measure(args, system, rank, world_size, allgathers):
     return result
 
 
+def init_process_group(args, rank, world_size):
+    """The system's process group: DeepSpeed's for the ZeRO systems, torch's for FSDP2, none for plain."""
+    backend = "gloo" if args.device == "cpu" else "nccl"
+    if args.system in ZERO_SYSTEMS:
+        import deepspeed
+        from deepspeed.utils import logger
+        logger.setLevel("ERROR")
+        deepspeed.init_distributed(dist_backend=backend)
+    elif args.system == "fsdp2":
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+
+
 def worker(rank, world_size, port, args, queue):
     use_rank_device(rank, args.device)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     allgathers = AllGatherCounter()
-    backend = "gloo" if args.device == "cpu" else "nccl"
     try:
-        if args.system in ZERO_SYSTEMS:
-            import deepspeed
-            from deepspeed.utils import logger
-            logger.setLevel("ERROR")
-            deepspeed.init_distributed(dist_backend=backend)
-        elif args.system == "fsdp2":
-            torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        init_process_group(args, rank, world_size)
         result = measure(args, args.system, rank, world_size, allgathers)
         result["error"] = None
     except Exception as exc:
