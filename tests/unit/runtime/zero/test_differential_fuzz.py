@@ -105,6 +105,7 @@ def _pending(name):
     return pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"known failure, not fixed yet: {name}")
 
 
+@pytest.mark.skipif(BEFORE_019, reason="two ranks: nondeterministic on DeepSpeed 0.18 (Note: [Two ranks on DeepSpeed 0.18])")
 @pytest.mark.parametrize("name", [pytest.param(name, marks=_pending(name)) for name in sorted(KNOWN_FAILURES)])
 def test_fuzzer_finds_the_known_failure(name):
     """Examples of one known class (2 ranks, no shrinking) fail: the fork does not run clean, whatever

@@ -13,7 +13,7 @@ import pytest
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.fuzz import oracle
-from tests.unit.runtime.zero.fuzz.spec import BlockSpec, EngineSpec, Example, ModelSpec, ScheduleSpec
+from tests.unit.runtime.zero.fuzz.spec import BlockSpec, EngineSpec, Example, ModelSpec, ScheduleSpec, SequentialSpec
 from tests.unit.runtime.zero.test_differential_fuzz import check_example
 from tests.unit.runtime.zero.zero_case import fork_disabled
 
@@ -66,6 +66,16 @@ EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD = Example(
     schedule=ScheduleSpec(input_grad=False),
     engine=EngineSpec(units=True))
 
+# Two trainable blocks as gather units under a reentrant checkpoint_sequential of 2 segments, an input
+# that needs no grad. Fork: the sweep at the end of the second backward releases 4 params that ZeRO-3
+# kept gathered; stock runs clean on 0.19.8 (on 0.18.5 it leaves params held). ``fuzz/known.py``.
+UNIT_UNDER_REENTRANT_SEQUENTIAL = Example(
+    model=ModelSpec(stages=(SequentialSpec(blocks=(BlockSpec(params="trainable"), BlockSpec(params="trainable")),
+                                           segments=2,
+                                           use_reentrant=True), )),
+    schedule=ScheduleSpec(extras=("none", "none"), input_grad=False, early_stop=False),
+    engine=EngineSpec(units=True))
+
 FIXED = {
     # A slot lives as long as its call's graph (invocation_lifecycle's [Several forwards before a backward]).
     "two_forwards_summed_before_one_backward": TWO_FORWARDS_SUMMED,
@@ -86,7 +96,7 @@ FIXED = {
     # [Gradients a backward will not compute]).
     "experts_not_run_in_a_unit_whose_input_needs_no_grad": EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD,
 }
-PENDING_FAILURES = {}
+PENDING_FAILURES = {"unit_under_reentrant_sequential_without_input_grad": UNIT_UNDER_REENTRANT_SEQUENTIAL}
 
 PENDING_MARK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=PENDING)
 PENDING_MARKS = {}
