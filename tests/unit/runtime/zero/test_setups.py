@@ -7,9 +7,11 @@ import contextlib
 import copy
 import functools
 import typing
+from importlib.metadata import version
 
 import pytest
 import torch
+from packaging.version import Version
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
@@ -253,7 +255,17 @@ def left_to_stock_case(setup):
         assert torch.equal(values[name], value), f"{name} differs from stock's"
 
 
-@pytest.mark.parametrize("setup", list(LEFT_TO_STOCK))
+# Selective checkpointing is non-reentrant: an engine left to stock on DeepSpeed before 0.19.3 gets stock's
+# CheckpointError on its frozen params there, as stock itself does.
+STOCK_CRASHES_NON_REENTRANT = Version(version("deepspeed")) < Version("0.19.3")
+
+
+@pytest.mark.parametrize("setup", [
+    pytest.param(name,
+                 marks=pytest.mark.skipif(name == "deepcompile_selective" and STOCK_CRASHES_NON_REENTRANT,
+                                          reason="stock ZeRO-3 before 0.19.3 crashes under non-reentrant checkpointing"))
+    for name in LEFT_TO_STOCK
+])
 def test_engine_left_to_stock_trains_as_stock_beside_fork_engines(setup):
     """DeepCompile and ZenFlow (ZeRO-3) engines run stock, bit for bit, beside engines that keep the fork.
 
