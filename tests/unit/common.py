@@ -258,20 +258,6 @@ def _worker_main(conn, rank, env, parent_pid, stack_file, init_log):
 # --------------------------------------------------------------------------- parent side
 
 
-@contextlib.contextmanager
-def _patched_environ(env):
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _fn_name(fn):
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -308,7 +294,7 @@ class _Pool:
                                          self._init_log(rank)),
                                    name=f"zero3ac-ws{world_size}-rank{rank}",
                                    daemon=False)
-                with _patched_environ(env):
+                with spawn.environment(env):
                     proc.start()
                 child_conn.close()
                 self.procs.append(proc)
