@@ -96,7 +96,7 @@ FIXED = {
     # [Gradients a backward will not compute]).
     "experts_not_run_in_a_unit_whose_input_needs_no_grad": EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD,
 }
-PENDING_FAILURES = {"unit_under_reentrant_sequential_without_input_grad": UNIT_UNDER_REENTRANT_SEQUENTIAL}
+PENDING_FAILURES = {"unit_under_reentrant_checkpoint_without_input_grad": UNIT_UNDER_REENTRANT_SEQUENTIAL}
 
 PENDING_MARK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=PENDING)
 PENDING_MARKS = {}

@@ -8,18 +8,24 @@ regression test in ``test_fuzz_regressions.py``. Remove an entry when its fix la
 from tests.unit.runtime.zero.fuzz.spec import Example, SequentialSpec
 
 
-def _unit_under_reentrant_sequential_without_input_grad(example: Example) -> bool:
-    """Blocks as gather units, one of them checkpointed by a reentrant ``checkpoint_sequential`` whose
-    input needs no grad (so its region has no backward), under ZeRO-3's default reuse policy: the
-    fork's end-of-backward sweep releases params that ZeRO-3 kept gathered after the second step's
-    forward. No gradient is wrong and nothing is left after the backward; stock (no units) releases
-    them earlier. Found by the fuzzer once blocks could be units (docs/fuzzing.md)."""
+def _reentrant(stage) -> bool:
+    if isinstance(stage, SequentialSpec):
+        return stage.use_reentrant
+    return stage.checkpoint in ("reentrant", "ds_reentrant") or stage.inner == "reentrant"
+
+
+def _unit_under_reentrant_checkpoint_without_input_grad(example: Example) -> bool:
+    """Blocks as gather units, one of them under a reentrant checkpoint (``checkpoint``,
+    ``checkpoint_sequential``) whose input needs no grad (so its region has no backward), under
+    ZeRO-3's default reuse policy: the fork's end-of-backward sweep releases params that ZeRO-3 kept
+    gathered after the second step's forward. No gradient is wrong and nothing is left after the
+    backward; stock (no units) releases them earlier. Found by the fuzzer once blocks could be units
+    (docs/fuzzing.md)."""
     return (example.engine.units and not example.engine.strict and not example.schedule.input_grad
-            and example.model.stem != "trainable"
-            and any(isinstance(stage, SequentialSpec) and stage.use_reentrant for stage in example.model.stages))
+            and example.model.stem != "trainable" and any(_reentrant(stage) for stage in example.model.stages))
 
 
-KNOWN_FAILURES = {"unit_under_reentrant_sequential_without_input_grad": _unit_under_reentrant_sequential_without_input_grad}
+KNOWN_FAILURES = {"unit_under_reentrant_checkpoint_without_input_grad": _unit_under_reentrant_checkpoint_without_input_grad}
 
 
 def known_failure(example: Example):
