@@ -7,5 +7,9 @@ regression test in ``test_fuzz_regressions.py``. Remove an entry when its fix la
 
 from tests.unit.runtime.zero.fuzz.spec import Example
 
-
 KNOWN_FAILURES = {}
+
+
+def known_failure(example: Example):
+    """The name of the first known failure class ``example`` belongs to, or None."""
+    return next((name for name, applies in KNOWN_FAILURES.items() if applies(example)), None)
