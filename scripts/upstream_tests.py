@@ -17,8 +17,9 @@ is committed here):
   gloo's all-gather needs a 1-d tensor);
 - ``unit/v1/zero/test_zero_user_backward.py``: the DDP references get no ``device_ids`` on CPU.
 
-TEST are paths relative to ``tests/`` (or node ids); the default is every file of ``unit/v1/zero/``
-and the files of ``unit/runtime/zero/`` that configure ZeRO stage 3. Tests parametrized over the
+TEST are paths relative to ``tests/`` (or node ids); the default is every file of ``unit/v1/zero/`` and
+``unit/runtime/activation_checkpointing/``, and the files of ``unit/runtime/zero/``, ``unit/checkpoint/`` and
+``unit/runtime/half_precision/`` that configure ZeRO stage 3. Tests parametrized over the
 ZeRO stage (``zero_stage`` or ``stage``) run their stage-3 cases only (the fork changes ZeRO-3
 engines only); ``--all-stages`` runs every case. Each TEST runs in its own pytest process, on stock
 (``ZERO3_AC_DISABLE=1``) and then on the fork, with the python of ``--venv`` (default: the one running
@@ -113,15 +114,23 @@ def patch_for_cpu(tests):
              f"device_ids=None if {cpu} else [rank], output_device=None if {cpu} else rank", count=2)
 
 
+# Folders of ``tests/`` whose every test file runs, and folders whose files run when they configure ZeRO stage 3.
+WHOLE_FOLDERS = ("unit/v1/zero", "unit/runtime/activation_checkpointing")
+STAGE3_FOLDERS = ("unit/runtime/zero", "unit/checkpoint", "unit/runtime/half_precision")
+
+
 def default_selection(tests):
-    selection = ["unit/v1/zero/" + name for name in sorted(os.listdir(os.path.join(tests, "unit", "v1", "zero")))
-                 if name.startswith("test_") and name.endswith(".py")]
-    runtime = os.path.join(tests, "unit", "runtime", "zero")
-    for name in sorted(os.listdir(runtime)):
-        if name.startswith("test_") and name.endswith(".py"):
-            with open(os.path.join(runtime, name)) as handle:
-                if STAGE3.search(handle.read()):
-                    selection.append("unit/runtime/zero/" + name)
+    selection = []
+    for folder in WHOLE_FOLDERS + STAGE3_FOLDERS:
+        path = os.path.join(tests, *folder.split("/"))
+        for name in sorted(os.listdir(path)) if os.path.isdir(path) else ():
+            if not (name.startswith("test_") and name.endswith(".py")):
+                continue
+            if folder in STAGE3_FOLDERS:
+                with open(os.path.join(path, name)) as handle:
+                    if not STAGE3.search(handle.read()):
+                        continue
+            selection.append(f"{folder}/{name}")
     return selection
 
 

@@ -59,10 +59,11 @@ Note: [Aborted forwards]
     whatever is still held; a drain that finds anything is a bug the lifecycle should not have.
 """
 
+import bisect
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Set, Tuple
+from typing import Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Set, Tuple
 
 
 class Phase(enum.Enum):
@@ -535,3 +536,50 @@ def _outermost(tops: Iterable[Hashable], children: Callable[[Hashable], Iterable
             continue
         stack.extend(reversed(list(children(module))))
     return found
+
+
+# ---------------------------------------------------------------- reuse distance
+# Note: [Reuse distance]
+#     ZeRO-3 records the order of module fetches in its first step (the trace). Once the trace is
+#     complete, a param released at trace position ``p`` stays gathered when a later fetch gathers
+#     it again before ``stage3_max_reuse_distance`` param elements have been fetched from ``p`` on
+#     (counted fetch by fetch: the fetches from ``p`` up to, not including, the reusing one).
+#     What a fetch gathers is *that* module's gather set: a ZeRO-3 leaf's or unit's whole subtree,
+#     any other module its own (and external) params. Upstream's ``__params_to_release`` scans the
+#     later fetches with the *released* module's leaf flag instead, so the release of a leaf or unit
+#     counts every ancestor fetched later (the root's backward, a container's) as a reuse of the
+#     whole subtree below it, and the unit stays gathered until the end of the backward (the
+#     fuzzer's units under a reentrant checkpoint whose input needs no grad; upstream's own MoE
+#     leaves alike). The index below answers the question with each fetch's own set, and in
+#     O(log trace) per param rather than a scan of the trace per release.
+
+
+class TraceReuse:
+    """When the trace fetches each param again (see [Reuse distance]).
+
+    ``trace[i]`` lists the ``(param, numel)`` pairs that the fetch at trace position ``i`` gathers.
+    """
+
+    def __init__(self, trace: Sequence[Iterable[Tuple[Hashable, int]]]):
+        self._elements_before = [0]  # [i]: the param elements the fetches before position i gather
+        self._positions: Dict[Hashable, List[int]] = {}  # param -> the positions that fetch it, ascending
+        for position, fetched in enumerate(trace):
+            elements = 0
+            for param, numel in fetched:
+                self._positions.setdefault(param, []).append(position)
+                elements += numel
+            self._elements_before.append(self._elements_before[-1] + elements)
+
+    def __len__(self) -> int:
+        return len(self._elements_before) - 1
+
+    def reused_within(self, param: Hashable, position: int, max_elements: int) -> bool:
+        """Whether a fetch at ``position`` or later gathers ``param`` before ``max_elements`` param
+        elements have been fetched from ``position`` on."""
+        positions = self._positions.get(param)
+        if not positions:
+            return False
+        next_use = bisect.bisect_left(positions, position)
+        if next_use == len(positions):
+            return False
+        return self._elements_before[positions[next_use]] - self._elements_before[position] < max_elements

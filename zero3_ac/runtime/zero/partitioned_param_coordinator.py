@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.utils import is_zero_param
 from deepspeed.utils import z3_leaf_module
 
 from zero3_ac.runtime.zero.accounting import LifecycleAccounting
-from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle
+from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle, TraceReuse
 from zero3_ac.utils import module_tree
 
 _PRIVATE = "_PartitionedParameterCoordinator__"
@@ -183,7 +183,7 @@ class InvocationParams:
                                              max_handoff_numel=max_handoff_numel,
                                              will_open=will_open)
         self.phase = "forward"
-        self._params_to_release = getattr(coordinator, _PRIVATE + "params_to_release")
+        self._reuse = None  # (the complete trace, the registration count, its TraceReuse)
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
 
@@ -244,16 +244,37 @@ class InvocationParams:
         """
         if not params:
             return
-        keep_for_reuse = None
+        releasable = None
         if module is not None and self.coordinator.is_complete_trace():
-            step_id = getattr(self.coordinator, _PRIVATE + "step_id")
-            keep_for_reuse = self._params_to_release(module, step_id)
+            releasable = self._releasable(module, getattr(self.coordinator, _PRIVATE + "step_id"))
         for param in params:
             if param.ds_persist or param.is_external_param:
                 continue
-            if keep_for_reuse is not None and param.ds_id not in keep_for_reuse:
+            if releasable is not None and param.ds_id not in releasable:
                 continue
             self._release_through_coordinator(param)
+
+    def _releasable(self, module, step_id):
+        """The ds_ids of ``module``'s params that its release at trace position ``step_id`` partitions:
+        upstream's ``__params_to_release``, with each later fetch's own gather set (the rules'
+        [Reuse distance]). A param that the prefetcher fetched ahead for a later position stays."""
+        fetched_for = getattr(self.coordinator, _PRIVATE + "most_recent_step_id_param_fetched_for")
+        max_elements = getattr(self.coordinator, _PRIVATE + "max_reuse_dist_in_numel")
+        reuse = self._trace_reuse()
+        return {
+            param.ds_id
+            for param in module_params(module) if not param.ds_persist and fetched_for.get(param, step_id) <= step_id
+            and not reuse.reused_within(param.ds_id, step_id, max_elements)
+        }
+
+    def _trace_reuse(self) -> TraceReuse:
+        """The complete trace's reuse index, built once per trace and tree shape."""
+        order = getattr(self.coordinator, _PRIVATE + "submodule_order")
+        generation = module_tree.generation()
+        if self._reuse is None or self._reuse[0] is not order or generation is None or self._reuse[1] != generation:
+            reuse = TraceReuse([[(param.ds_id, param.ds_numel) for param in module_params(fetched)] for fetched in order])
+            self._reuse = (order, generation, reuse)
+        return self._reuse[2]
 
     def evict_over_budget(self) -> None:
         evicted = self.lifecycle.evict_over_budget()

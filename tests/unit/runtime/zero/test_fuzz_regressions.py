@@ -67,8 +67,9 @@ EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD = Example(
     engine=EngineSpec(units=True))
 
 # Two trainable blocks as gather units under a reentrant checkpoint_sequential of 2 segments, an input
-# that needs no grad. Fork: the sweep at the end of the second backward releases 4 params that ZeRO-3
-# kept gathered; stock runs clean on 0.19.8 (on 0.18.5 it leaves params held). ``fuzz/known.py``.
+# that needs no grad (no backward reaches the blocks). Fork: the sweep at the end of the second
+# backward released 4 params that ZeRO-3's reuse policy had kept gathered since the forward, counting
+# the root's backward fetch as a reuse of each unit's subtree; stock runs clean.
 UNIT_UNDER_REENTRANT_SEQUENTIAL = Example(
     model=ModelSpec(stages=(SequentialSpec(blocks=(BlockSpec(params="trainable"), BlockSpec(params="trainable")),
                                            segments=2,
@@ -95,8 +96,11 @@ FIXED = {
     # A slot waits only for the gradients its backward computes (parameter_offload's
     # [Gradients a backward will not compute]).
     "experts_not_run_in_a_unit_whose_input_needs_no_grad": EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD,
+    # A later fetch reuses what its own gather set holds, not the released unit's subtree
+    # (invocation_lifecycle's [Reuse distance]).
+    "unit_under_reentrant_checkpoint_without_input_grad": UNIT_UNDER_REENTRANT_SEQUENTIAL,
 }
-PENDING_FAILURES = {"unit_under_reentrant_checkpoint_without_input_grad": UNIT_UNDER_REENTRANT_SEQUENTIAL}
+PENDING_FAILURES = {}
 
 PENDING_MARK = pytest.mark.xfail(strict=True, raises=AssertionError, reason=PENDING)
 PENDING_MARKS = {}

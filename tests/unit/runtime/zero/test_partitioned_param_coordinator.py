@@ -130,3 +130,44 @@ def test_hf_llama_steps_reuse_the_model_walk():
     shape]); that must not count as a change, or the step boundary walks the whole model again."""
     from tests.unit.common import run_distributed
     assert run_distributed(1, hf_steps_keep_the_model_walk_case) in (["ok"], ["skipped"])
+
+
+class FrozenLeafTower(torch.nn.Module):
+    """A frozen tower (marked a ZeRO-3 leaf, as users mark MoE blocks) before a trainable head; its input
+    needs no grad, so no backward reaches it and nothing after its forward gathers its params again."""
+
+    def __init__(self):
+        super().__init__()
+        self.tower = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).requires_grad_(False)
+        self.head = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(self.tower(x)).pow(2).mean()
+
+
+def leaf_status_after_forward_case():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from tests.unit.runtime.zero.zero_case import assert_fork_state, make_engine, zero_config
+    assert_fork_state()
+    torch.manual_seed(0)
+    model = FrozenLeafTower()
+    set_z3_leaf_module(model.tower, True)
+    engine = make_engine(model, zero_config(3))
+    gathered = []
+    for step in range(3):  # the trace is complete from the second step on
+        loss = engine(torch.randn(2, 8))
+        gathered.append([param.ds_status == ZeroParamStatus.AVAILABLE for param in model.tower.parameters()])
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
+    return gathered
+
+
+def test_a_leaf_nothing_reuses_is_released_at_its_forward_end():
+    """The rules' [Reuse distance]: the later fetch of the root (its backward) gathers the root's own
+    params, not the leaf's. Stock scans the trace with the leaf's flag applied to the root, so it keeps
+    the whole tower gathered from the second step's forward to the step's end."""
+    from tests.unit.common import run_distributed
+    [gathered] = run_distributed(1, leaf_status_after_forward_case)
+    assert gathered == [[False] * 4] * 3, f"tower params still gathered after each step's forward: {gathered}"

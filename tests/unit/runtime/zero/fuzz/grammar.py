@@ -14,9 +14,6 @@ from tests.unit.runtime.zero.fuzz.spec import (BACKWARDS, BODIES, EXTRAS, INNER_
                                                SequentialSpec)
 
 MAX_BLOCKS = 4
-# The experts body runs in the explicit regressions (test_fuzz_regressions.py) and in a hand-run draw;
-# the CI draw keeps the bodies its last green runs drew until a whole draw with it has run clean.
-CI_BODIES = tuple(body for body in BODIES if body != "experts")
 MAX_MICRO_BATCHES = 6
 
 
@@ -38,7 +35,7 @@ def blocks(sequential=False):
     modes = ("none", ) if sequential else checkpoint_modes()
     return st.builds(BlockSpec,
                      params=st.sampled_from(PARAMS_FIRST),
-                     body=st.sampled_from(CI_BODIES),
+                     body=st.sampled_from(BODIES),
                      io=st.sampled_from(ios),
                      checkpoint=st.sampled_from(modes),
                      inner=st.sampled_from(INNER_CHECKPOINTS),
@@ -94,9 +91,7 @@ def engines(draw, dim):
     return EngineSpec(persistence=draw(st.sampled_from((0, dim, 10**6))),
                       strict=draw(st.booleans()),
                       one_param_buckets=draw(st.booleans()),
-                      # Blocks as units: an open class (test_fuzz_regressions' PENDING) still fails in many
-                      # draws, so the CI draw leaves units to the explicit regressions for now.
-                      units=False)
+                      units=draw(st.booleans()))
 
 
 @st.composite
