@@ -18,6 +18,7 @@ from deepspeed.utils import z3_leaf_module
 
 from zero3_ac.runtime.zero.accounting import LifecycleAccounting
 from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle, TraceReuse
+from zero3_ac.runtime.zero.whole_param_shards import WholeParamShards
 from zero3_ac.utils import module_tree
 
 _PRIVATE = "_PartitionedParameterCoordinator__"
@@ -105,11 +106,16 @@ class CoordinatorTap:
         step, almost all of them partitioned already. Under the fork the tap returns at once for a
         param the release would leave as it is; on a stock engine (a meter listening) it calls
         through, so that stock costs what it costs.
+
+    Under the fork, a param whose partition is the whole param is gathered and released by the tap's
+    ``whole_shards`` instead of upstream (Note [A shard that is the whole param] in whole_param_shards.py);
+    the listeners hear of it as of any other.
     """
 
     def __init__(self, coordinator, phase_source=None):
         self.listeners = []
         self.phase_source = phase_source
+        self.whole_shards = None  # under the fork: the WholeParamShards path, set by InvocationParams
         self._fetch_forward = True
         self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
         self._release = getattr(coordinator, _PRIVATE + "release_param")
@@ -158,13 +164,18 @@ class CoordinatorTap:
                 if param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
                     for listener in self.listeners:
                         listener.gathered(param, phase)
+        if self.whole_shards is not None:
+            params = self.whole_shards.gather(params)
+            if not params:
+                return None
         return self._gather(params, forward)
 
     def _release_param(self, param, free_data=True):
         was_available = param.ds_status == ZeroParamStatus.AVAILABLE
         if self.phase_source is not None and (not was_available or param.ds_active_sub_modules):
             return
-        self._release(param, free_data)
+        if self.whole_shards is None or not free_data or not self.whole_shards.release(param):
+            self._release(param, free_data)
         if was_available and self.listeners and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             phase = self.phase()
             for listener in self.listeners:
@@ -183,9 +194,10 @@ class InvocationParams:
                                              max_handoff_numel=max_handoff_numel,
                                              will_open=will_open)
         self.phase = "forward"
-        self._reuse = None  # (the complete trace, the registration count, its TraceReuse)
+        self._reuse = None  # (the complete trace, the registration count, its TraceReuse, answers per call site)
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
+        self.tap.whole_shards = WholeParamShards(coordinator, _PRIVATE + "n_available_params")
 
     def _tap_phase(self) -> str:
         # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that
@@ -259,22 +271,29 @@ class InvocationParams:
         upstream's ``__params_to_release``, with each later fetch's own gather set (the rules'
         [Reuse distance]). A param that the prefetcher fetched ahead for a later position stays."""
         fetched_for = getattr(self.coordinator, _PRIVATE + "most_recent_step_id_param_fetched_for")
-        max_elements = getattr(self.coordinator, _PRIVATE + "max_reuse_dist_in_numel")
-        reuse = self._trace_reuse()
         return {
             param.ds_id
-            for param in module_params(module) if not param.ds_persist and fetched_for.get(param, step_id) <= step_id
-            and not reuse.reused_within(param.ds_id, step_id, max_elements)
+            for param in self._not_reused(module, step_id) if fetched_for.get(param, step_id) <= step_id
         }
 
-    def _trace_reuse(self) -> TraceReuse:
-        """The complete trace's reuse index, built once per trace and tree shape."""
+    def _not_reused(self, module, step_id):
+        """``module``'s non-persistent params that the trace does not fetch again within the reuse distance
+        from ``step_id``: computed once per complete trace, tree shape, module and position."""
         order = getattr(self.coordinator, _PRIVATE + "submodule_order")
         generation = module_tree.generation()
         if self._reuse is None or self._reuse[0] is not order or generation is None or self._reuse[1] != generation:
             reuse = TraceReuse([[(param.ds_id, param.ds_numel) for param in module_params(fetched)] for fetched in order])
-            self._reuse = (order, generation, reuse)
-        return self._reuse[2]
+            self._reuse = (order, generation, reuse, {})
+        _, _, reuse, answers = self._reuse
+        key = (module, step_id)
+        params = answers.get(key)
+        if params is None:
+            max_elements = getattr(self.coordinator, _PRIVATE + "max_reuse_dist_in_numel")
+            params = answers[key] = [
+                param for param in module_params(module)
+                if not param.ds_persist and not reuse.reused_within(param.ds_id, step_id, max_elements)
+            ]
+        return params
 
     def evict_over_budget(self) -> None:
         evicted = self.lifecycle.evict_over_budget()
