@@ -15,7 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import LEAN, train_and_check
-from tests.unit.runtime.zero.zero_case import DIM
+from tests.unit.runtime.zero.zero_case import (DIM, assert_close_deltas, make_engine, micro_batches, named_values,
+                                               reference_deltas, zero_config)
 
 WORLD_SIZE = 2
 
@@ -117,6 +118,18 @@ class NoConsumerReaderBlock(torch.nn.Module):
         return torch.tanh(checkpoint(self._region, x, use_reentrant=False)).float().pow(2).mean()
 
 
+class OwnerAlsoOutsideReaderBlock(RegionReaderBlock):
+    """A RegionReaderBlock that calls its child once more, after the region and outside it: the child's
+    reads of its own weight there are no borrower's reads, so the borrow still ends in the region."""
+
+    # The child's bias is released after the outer call's backward and gathered again for the recompute.
+    regathers_in_backward = True
+
+    def forward(self, x):
+        h = checkpoint(self._region, x, use_reentrant=False)
+        return self.head(h + self.child(h)).float().pow(2).mean()
+
+
 def region_reader_case(block):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     torch.manual_seed(61)
@@ -129,10 +142,12 @@ def region_reader_case(block):
         assert all(status == ZeroParamStatus.NOT_AVAILABLE for _, status in seen), (
             f"step {index}: the borrowed frozen param stayed gathered after its last consumer: {seen}")
 
-    train_and_check(block(log), steps=3, zero_options=LEAN, after_backward=released_at_last_consumer)
+    train_and_check(block(log), steps=3, zero_options=LEAN, after_backward=released_at_last_consumer,
+                    check_regather=not getattr(block, "regathers_in_backward", False))
 
 
-@pytest.mark.parametrize("block", [RegionReaderBlock, NoConsumerReaderBlock], ids=["consumer", "no_consumer"])
+@pytest.mark.parametrize("block", [RegionReaderBlock, NoConsumerReaderBlock, OwnerAlsoOutsideReaderBlock],
+                         ids=["consumer", "no_consumer", "owner_called_outside_too"])
 def test_borrow_read_only_inside_a_region_ends_at_the_last_consumer(block):
     """Upstream's two prompt-release tests, in every step (the later ones read the param gathered)."""
     run_distributed(WORLD_SIZE, region_reader_case, block)
@@ -170,3 +185,94 @@ def region_user_case(user_region, zero_options):
 @pytest.mark.parametrize("user_region", [False, True], ids=["one_region", "two_regions"])
 def test_borrow_used_in_ops_inside_regions_lasts_until_their_backward(user_region, zero_options):
     run_distributed(WORLD_SIZE, region_user_case, user_region, zero_options)
+
+
+class RegionViewUserBlock(FrozenChildBlock):
+    """Uses its frozen child's weight in a linear inside a checkpointed function, before calling the
+    child there: the linear saves a view of the param (its transpose), which nothing but the param's
+    use count shows after the child's backward; the probe's backward runs right before the linear's."""
+
+    def _region(self, h):
+        used = _AfterBackward.apply(torch.nn.functional.linear(h, self.child.weight), self.log, "linear backward next",
+                                    self.child.weight)
+        return torch.tanh(self.child(torch.tanh(used))) + self.lora(h)
+
+    def forward(self, x):
+        return self.head(checkpoint(self._region, x, use_reentrant=False)).float().pow(2).mean()
+
+
+def region_view_case():
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    torch.manual_seed(63)
+    log = []
+
+    def gathered_for_the_views_backward(engine, index):
+        seen = list(log)
+        log.clear()
+        assert seen, "the probe's backward never ran"
+        assert all(status == ZeroParamStatus.AVAILABLE for _, status in seen), (
+            f"step {index}: the borrow ended while a saved view of the param awaited its backward: {seen}")
+
+    train_and_check(RegionViewUserBlock(log), steps=3, zero_options=LEAN, check_regather=False,
+                    after_backward=gathered_for_the_views_backward)
+
+
+def test_borrow_whose_view_a_region_saved_lasts_until_the_views_backward():
+    run_distributed(WORLD_SIZE, region_view_case)
+
+
+class RegisteredBorrowBlock(FrozenChildBlock):
+    """Registers its frozen child's weight as its own external param with ZeRO-3's public
+    ``register_external_parameter`` and uses it: the block's fetch gathers it, so no read has gathered
+    it when the first step's call ends."""
+
+    def __init__(self, dim=DIM):
+        super().__init__(dim=dim)
+        from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+        register_external_parameter(self, self.child.weight)
+
+    def forward(self, x):
+        h = torch.tanh(torch.nn.functional.linear(x, self.child.weight)) + self.lora(x)
+        return self.head(torch.tanh(self.child(h))).float().pow(2).mean()
+
+
+def registered_borrow_case():
+    torch.manual_seed(64)
+    train_and_check(RegisteredBorrowBlock(), steps=3, zero_options=LEAN, check_regather=False)
+
+
+def test_frozen_param_registered_as_external_is_held_like_a_borrow():
+    run_distributed(WORLD_SIZE, registered_borrow_case)
+
+
+class OutsideReaderBlock(FrozenChildBlock):
+    """Uses its frozen child's weight, never calling the child."""
+
+    def forward(self, x):
+        return self.head(torch.tanh(torch.nn.functional.linear(x, self.child.weight)) + self.lora(x)).float().pow(2).mean()
+
+
+def stock_engine_borrow_case():
+    import deepspeed.comm as dist
+    import zero3_ac
+    torch.manual_seed(65)
+    model = OutsideReaderBlock()
+    batches = micro_batches(2, dist.get_world_size(), requires_grad=True)
+    expected = reference_deltas(model, batches, gas=1)
+    config = zero_config(3)
+    config["compile"] = {"deepcompile": True}  # left to stock; on CPU it trains before engine.compile()
+    engine = make_engine(model, config)
+    assert zero3_ac.lifecycle_stats(engine) is None, "the engine is not left to stock"
+    initial = named_values(engine)
+    for row in batches:
+        engine.backward(engine(row[dist.get_rank()]))
+        engine.step()
+    final = named_values(engine)
+    assert_close_deltas({name: final[name] - initial[name] for name in expected}, expected, torch.float32)
+    engine.destroy()
+
+
+def test_borrow_on_an_engine_left_to_stock_records_nothing():
+    """The fork's getter hook serves every engine: for one left to stock (engine.py's [Engines left to
+    stock]) the borrowing module has no read record, and ZeRO-3 borrows as stock does."""
+    run_distributed(WORLD_SIZE, stock_engine_borrow_case)

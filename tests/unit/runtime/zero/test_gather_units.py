@@ -81,6 +81,12 @@ def test_a_shared_candidate_itself_may_be_a_unit():
     assert units(tree, candidates={"layer1"}) == ["layer1"]
 
 
+def test_a_module_reached_again_through_its_second_parent_is_walked_once_and_the_walk_goes_on():
+    tree = {"root": ["a", "b", "c"], "a": ["shared"], "b": ["shared"]}
+    assert units(tree, candidates={"c"}) == ["c"]
+    assert units(tree, leaves={"shared"}, candidates={"c"}) == ["shared", "c"]
+
+
 def test_the_root_may_be_a_unit():
     assert units(LLAMA, candidates={"root", "layer0"}) == ["root"]
 

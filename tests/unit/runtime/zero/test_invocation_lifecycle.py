@@ -392,6 +392,33 @@ def test_innermost_forward_is_the_newest_open_invocation_of_the_module():
     assert lc.innermost_forward("m1") is None
 
 
+def test_a_forward_is_running_from_its_pre_hook_until_it_closes_or_is_reaped():
+    lc = InvocationLifecycle()
+    assert not lc.forward_running()
+    inv = forward(lc, "m1")
+    assert lc.forward_running()
+    lc.close_forward(inv)
+    assert not lc.forward_running()
+    forward(lc, "m1")
+    lc.reap_aborted()
+    assert not lc.forward_running()
+
+
+def test_inside_replay_asks_the_innermost_running_forward():
+    lc = InvocationLifecycle()
+    assert not lc.inside_replay()
+    recompute(lc, "m1", replay=True)
+    assert lc.inside_replay()
+    recompute(lc, "m2", replay=False)
+    assert not lc.inside_replay()
+    innermost = recompute(lc, "m3", replay=True)
+    assert lc.inside_replay()
+    lc.close_forward(innermost)
+    assert not lc.inside_replay()
+    lc.reap_aborted()
+    assert not lc.inside_replay()
+
+
 def test_innermost_forward_treats_modules_as_hashable_keys():
     lc = InvocationLifecycle()
     key, equal_key = "".join(["m", "1"]), "".join(["m", "1"])
@@ -445,6 +472,15 @@ def test_drain_keeps_reachable_pending_slots_without_their_holds():
     assert first.state is State.PENDING and second.state is State.PENDING and second.holds == set()
     assert not second.matched, "a kept slot may be matched by the next backward's replay"
     assert lc.pending_slots("m1") == [first, second]
+
+
+def test_drain_counts_every_kept_slot_that_lost_holds():
+    lc = InvocationLifecycle()
+    for module, param in [("m1", "w1"), ("m2", "w2")]:
+        lc.hold(lc.new_slot(module), [param])
+    report = lc.drain(reachable=lambda slot: True)
+    assert report.invocations == 2 and sorted(report.params) == ["w1", "w2"]
+    assert len(lc.live()) == 2
 
 
 def test_replay_skips_a_newer_slot_this_backward_will_not_open():
@@ -536,6 +572,29 @@ def test_evict_drops_oldest_handoffs_first_until_under_budget():
     assert lc.handoff_numel() == 3
     assert not lc.is_held("w1") and lc.is_held("w3")
     assert lc.evict_over_budget() == []  # already within budget
+
+
+def test_evict_within_budget_evicts_nothing_even_from_older_batches():
+    lc = budget_lc(10)
+    slot = replay_handoff(lc, "m1", {"w1", "w2"})
+    start_new_batch(lc)
+    assert lc.handoff_numel() == 3
+    assert lc.evict_over_budget() == []
+    assert slot.holds == {"w1", "w2"}
+
+
+def test_a_handoff_stamped_again_does_not_shield_older_ones_from_eviction():
+    """A re-stamp moves the hand-off to the end of the eviction queue, behind the older ones."""
+    lc = budget_lc(0)
+    reentrant = recompute(lc, "m1", ["w1"])
+    own = lc.new_slot("m1")
+    lc.close_forward(reentrant, own_slot=own)  # (own, w1), batch 0
+    other = replay_handoff(lc, "m2", {"w2"})  # (other, w2), batch 0, queued after it
+    lc.reap_aborted()
+    lc.close_forward(recompute(lc, "m1", ["w1"], replay=True))  # matches own: (own, w1) stamped with batch 1
+    assert own.matched and own.holds == {"w1"}
+    assert lc.evict_over_budget() == ["w2"]
+    assert other.holds == set() and own.holds == {"w1"}
 
 
 def test_evict_with_no_budget_evicts_nothing():
@@ -705,6 +764,34 @@ def test_holder_set_is_emptied_by_drain_and_eviction():
     assert sets["w2"] == set()
 
 
+def test_a_param_never_held_has_no_holders_whatever_its_holder_set_has():
+    """Stock code puts module ``ds_id`` values into ``ds_active_sub_modules`` too: they are no invocations."""
+    lc = InvocationLifecycle(holder_set={"w1": {7}}.__getitem__)
+    assert lc.holders("w1") == set() and not lc.is_held("w1")
+
+
+def test_a_param_whose_holder_set_stock_code_cleared_is_freed_once():
+    """Upstream's ``release_and_reset_all`` clears ``ds_active_sub_modules``: the first close that finds the
+    param without holders returns it, the later ones do not."""
+    sets = {}
+    lc = InvocationLifecycle(holder_set=lambda p: sets.setdefault(p, set()))
+    outer = forward(lc, "m1", ["w1"])
+    inner = forward(lc, "m2", ["w1"])
+    sets["w1"].clear()
+    assert lc.close_forward(inner) == ["w1"]
+    assert lc.close_forward(outer) == []
+    assert lc.drain().params == []
+
+
+def test_an_open_slots_handoff_does_not_count_once_stock_code_cleared_the_holder_set():
+    sets = {}
+    lc = InvocationLifecycle(holder_set=lambda p: sets.setdefault(p, set()))
+    slot = replay_handoff(lc, "m1", {"w1"})
+    lc.open_backward(slot)
+    sets["w1"].clear()
+    assert lc.handoff_numel() == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # errors
 
@@ -713,7 +800,7 @@ def test_hold_on_a_closed_invocation_raises():
     lc = InvocationLifecycle()
     inv = forward(lc, "m1")
     lc.close_forward(inv)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is closed and cannot hold params"):
         lc.hold(inv, ["w1"])
     assert not lc.is_held("w1")
 
@@ -722,13 +809,13 @@ def test_hold_on_a_closed_slot_raises():
     lc = InvocationLifecycle()
     slot = lc.new_slot("m1")
     lc.close_backward(slot)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is closed and cannot hold params"):
         lc.hold(slot, ["w1"])
 
 
 def test_replay_outside_a_backward_raises():
     lc = InvocationLifecycle()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^a replay recompute runs inside a backward$"):
         lc.open_forward("m1", in_backward=False, replay=True)
     assert lc.live() == [] and lc.call_stack == []
 
@@ -736,9 +823,17 @@ def test_replay_outside_a_backward_raises():
 def test_close_forward_on_a_backward_slot_raises():
     lc = InvocationLifecycle()
     slot = lc.new_slot("m1")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not a forward invocation"):
         lc.close_forward(slot)
     assert slot.state is State.PENDING
+
+
+def test_close_forward_with_a_forward_as_its_own_slot_raises():
+    lc = InvocationLifecycle()
+    inv = recompute(lc, "m1", ["w1"])
+    with pytest.raises(ValueError, match="is not a backward slot"):
+        lc.close_forward(inv, own_slot=forward(lc, "m2"))
+    assert inv.state is State.OPEN and lc.is_held("w1")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,6 +878,23 @@ def test_lent_holds_end_only_in_open_slots_and_go_with_the_slot():
     assert not lc.lending() and lc.size()["lending_slots"] == 0
 
 
+def test_the_lent_holds_of_every_open_slot_end_whatever_pending_slots_lend_too():
+    lc = InvocationLifecycle()
+    opened = []
+    for index in range(10):
+        pending = lc.new_slot(f"pending{index}")
+        lc.lend(pending, {f"p{index}": None})
+        lc.hold(pending, [f"p{index}"])
+        slot = lc.new_slot(f"open{index}")
+        lc.lend(slot, {f"o{index}": None})
+        lc.open_backward(slot)
+        lc.hold(slot, [f"o{index}"])
+        opened.append(slot)
+    assert sorted(lc.end_borrows(lambda param, scope: True)) == sorted(f"o{index}" for index in range(10))
+    assert all(slot.holds == set() for slot in opened)
+    assert lc.size()["lending_slots"] == 10
+
+
 def test_a_param_lent_but_not_held_is_not_asked_about():
     lc = InvocationLifecycle()
     slot = lc.new_slot("borrower")
@@ -796,9 +908,9 @@ def test_lend_to_a_closed_slot_or_a_forward_raises():
     lc = InvocationLifecycle()
     slot = lc.new_slot("borrower")
     lc.close_backward(slot)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not a live backward slot"):
         lc.lend(slot, {"w": None})
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not a live backward slot"):
         lc.lend(forward(lc, "m"), {"w": None})
 
 
@@ -1048,6 +1160,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def evict_over_budget(self):
         before = {i: set(h) for i, h in self.holds.items()}
         evictable = self._evictable()
+        within_budget = self.budget is not None and self.lc.handoff_numel() <= self.budget
         returned = self.lc.evict_over_budget()
         removed = {(i, p) for i, held in before.items() for p in held - self.invs[i].holds}
         for i, held in before.items():
@@ -1062,6 +1175,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         # only evictable hand-offs (to pending slots), the oldest first (one hand-off's params
         # are equally old)
         assert removed <= evictable, (removed, evictable)
+        assert not (within_budget and removed), f"evicted {removed} while within budget"
         kept = evictable - removed
         if removed and kept:
             assert max(self.keys[k][1] for k in removed) <= min(self.keys[k][1] for k in kept), \

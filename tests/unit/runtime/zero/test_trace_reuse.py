@@ -51,6 +51,12 @@ def test_a_later_fetch_reuses_only_its_own_gather_set():
     assert reuse.reused_within("root.bias", 2, max_elements=10**9)
 
 
+def test_a_fetch_counts_the_elements_of_every_param_it_gathers():
+    reuse = TraceReuse([[("a", 4), ("b", 4)], [("c", 1)]])
+    assert not reuse.reused_within("c", 0, max_elements=8)
+    assert reuse.reused_within("c", 0, max_elements=9)
+
+
 def test_len_is_the_trace_length():
     assert len(TraceReuse([[], [("a", 1)], []])) == 3
 
