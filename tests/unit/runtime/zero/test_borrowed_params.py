@@ -130,20 +130,26 @@ class OwnerAlsoOutsideReaderBlock(RegionReaderBlock):
         return self.head(h + self.child(h)).float().pow(2).mean()
 
 
-def region_reader_case(block):
+def train_probing_the_borrow(block, gathered, problem, check_regather=True):
+    """Train ``block(log)`` 3 steps; after each backward, every status its probe logged must be gathered
+    (``gathered``) or not, else ``problem`` is the assertion's message."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    torch.manual_seed(61)
     log = []
+    want = ZeroParamStatus.AVAILABLE if gathered else ZeroParamStatus.NOT_AVAILABLE
 
-    def released_at_last_consumer(engine, index):
+    def probe(engine, index):
         seen = list(log)
         log.clear()
         assert seen, "the probe's backward never ran"
-        assert all(status == ZeroParamStatus.NOT_AVAILABLE for _, status in seen), (
-            f"step {index}: the borrowed frozen param stayed gathered after its last consumer: {seen}")
+        assert all(status == want for _, status in seen), f"step {index}: {problem}: {seen}"
 
-    train_and_check(block(log), steps=3, zero_options=LEAN, after_backward=released_at_last_consumer,
-                    check_regather=not getattr(block, "regathers_in_backward", False))
+    train_and_check(block(log), steps=3, zero_options=LEAN, after_backward=probe, check_regather=check_regather)
+
+
+def region_reader_case(block):
+    torch.manual_seed(61)
+    train_probing_the_borrow(block, False, "the borrowed frozen param stayed gathered after its last consumer",
+                             check_regather=not getattr(block, "regathers_in_backward", False))
 
 
 @pytest.mark.parametrize("block", [RegionReaderBlock, NoConsumerReaderBlock, OwnerAlsoOutsideReaderBlock],
@@ -202,19 +208,9 @@ class RegionViewUserBlock(FrozenChildBlock):
 
 
 def region_view_case():
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     torch.manual_seed(63)
-    log = []
-
-    def gathered_for_the_views_backward(engine, index):
-        seen = list(log)
-        log.clear()
-        assert seen, "the probe's backward never ran"
-        assert all(status == ZeroParamStatus.AVAILABLE for _, status in seen), (
-            f"step {index}: the borrow ended while a saved view of the param awaited its backward: {seen}")
-
-    train_and_check(RegionViewUserBlock(log), steps=3, zero_options=LEAN, check_regather=False,
-                    after_backward=gathered_for_the_views_backward)
+    train_probing_the_borrow(RegionViewUserBlock, True, "the borrow ended while a saved view of the param awaited its "
+                             "backward", check_regather=False)
 
 
 def test_borrow_whose_view_a_region_saved_lasts_until_the_views_backward():
