@@ -23,7 +23,7 @@ import warnings
 import torch
 
 from dtypes import ComputeDtypes, param_dtypes
-from peer_worker import PeakMemory, init_process_group, setup
+from peer_worker import FORK_INSTALLED, PeakMemory, init_process_group, setup
 from spawn import use_rank_device
 from workload import MODELS
 from zero3_ac.utils import spawn as rank_spawn
@@ -110,7 +110,7 @@ class System:
         child = _with(args, system=system_of(label))
         context = torch.multiprocessing.get_context("spawn")
         saved = os.environ.get("ZERO3_AC_DISABLE")
-        os.environ["ZERO3_AC_DISABLE"] = "0" if child.system == "fork" else "1"
+        os.environ["ZERO3_AC_DISABLE"] = "0" if child.system in FORK_INSTALLED else "1"
         try:
             self.connections, self.processes = [], []
             for rank in range(world):

@@ -24,7 +24,7 @@ from dtypes import describe
 AA_BAND = (0.97, 1.03)
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
-SYSTEM_ORDER = ("plain", "fsdp2", "stock", "fork")
+SYSTEM_ORDER = ("plain", "fsdp2", "fsdp2_compile", "stock", "deepcompile", "fork")
 
 
 def load(directory):

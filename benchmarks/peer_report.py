@@ -16,7 +16,7 @@ import statistics
 
 from dtypes import describe
 
-SYSTEM_ORDER = ("plain", "fsdp2", "stock", "fork")
+SYSTEM_ORDER = ("plain", "fsdp2", "fsdp2_compile", "stock", "deepcompile", "fork")
 MODE_ORDER = ("lora", "qlora", "full")
 
 NOTES = """\

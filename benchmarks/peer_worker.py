@@ -1,9 +1,16 @@
-"""One rank of one peer-benchmark configuration: a system (plain, fsdp2, stock, fork), LoRA, QLoRA or full, a
-checkpointing mode.
+"""One rank of one peer-benchmark configuration: a system, LoRA, QLoRA or full, a checkpointing mode.
+
+Systems: ``plain`` PyTorch; ``fsdp2`` (``fully_shard`` per decoder layer); ``fsdp2_compile``, the same with
+``torch.compile`` on every decoder layer before it is sharded (torchtitan's order: the compiled layer is
+what FSDP2 wraps, so its hooks stay outside the compiled region); ``stock`` and ``fork`` ZeRO-3; and
+``deepcompile``, DeepSpeed's DeepCompile on ZeRO-3 (``compile.deepcompile`` and ``engine.compile()``), run
+with the fork installed, which leaves such an engine to stock ZeRO-3 (zero3_ac/runtime/engine.py,
+[Engines left to stock]).
 
 ``peers.py`` starts a fresh set of these processes for every configuration and round. Stock and fork
-differ only in ``ZERO3_AC_DISABLE`` in the process environment: the installed package's start-up hook
-applies the fork when DeepSpeed is imported unless it is set; the worker checks which one ran.
+differ only in ``ZERO3_AC_DISABLE`` in the process environment (``FORK_INSTALLED``): the installed
+package's start-up hook applies the fork when DeepSpeed is imported unless it is set; the worker checks
+which one ran.
 """
 
 import os
@@ -19,8 +26,12 @@ from zero3_ac.utils import spawn as rank_spawn
 from workload import (MODELS, QUANT_STORAGE, AllGatherCounter, build_model, build_qlora_model, cast_unquantized,
                       zero3_config)
 
-SYSTEMS = ("plain", "fsdp2", "stock", "fork")
-ZERO_SYSTEMS = ("stock", "fork")
+SYSTEMS = ("plain", "fsdp2", "fsdp2_compile", "stock", "deepcompile", "fork")
+DEFAULT_SYSTEMS = ("plain", "fsdp2", "stock", "fork")
+ZERO_SYSTEMS = ("stock", "deepcompile", "fork")
+FSDP2_SYSTEMS = ("fsdp2", "fsdp2_compile")
+# The systems whose processes run with the fork applied (ZERO3_AC_DISABLE=0); the others with it off.
+FORK_INSTALLED = ("fork", "deepcompile")
 GIB = 1024**3
 # Namespaces of the profiler's operator events that do a step's work (compute, collectives);
 # the rest of a CPU step is host-side framework time.
@@ -126,15 +137,21 @@ def plain_step(model, optimizer, trainable):
     return step
 
 
-def fsdp2_shard(model, device, world_size, param_dtype):
+def fsdp2_shard(model, device, world_size, param_dtype, compile_layers=False):
     """``fully_shard`` on every decoder layer, then on the root; ``param_dtype`` None computes every param in
-    its own dtype (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py)."""
+    its own dtype (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py). ``compile_layers``: each decoder
+    layer is replaced in its ``ModuleList`` by ``torch.compile(layer)`` first, and FSDP2 shards that."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     mesh = init_device_mesh(device, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=param_dtype)
-    for layer in [module for module in model.modules() if isinstance(module, LlamaDecoderLayer)]:
+    layers = next(module for module in model.modules()
+                  if isinstance(module, torch.nn.ModuleList) and isinstance(module[0], LlamaDecoderLayer))
+    for index, layer in enumerate(layers):
+        if compile_layers:
+            layer = torch.compile(layer)
+            layers[index] = layer
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
@@ -148,9 +165,11 @@ def setup(args, system, world_size, device_name):
     if system in ZERO_SYSTEMS:
         import deepspeed
         import zero3_ac
-        if zero3_ac.is_active() != (system == "fork"):
+        if system != "deepcompile" and zero3_ac.is_active() != (system == "fork"):
             raise RuntimeError(f"{system} asked for, but zero3_ac.is_active() is {zero3_ac.is_active()}")
         config = zero3_config(args.device, args.mbs, dtype)
+        if system == "deepcompile":
+            config["compile"] = {"deepcompile": True}
         if qlora:
             model = build_qlora_model(args.qlora_base, args.ac, dtype, device_name)
         else:
@@ -158,6 +177,8 @@ def setup(args, system, world_size, device_name):
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=1e-4)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        if system == "deepcompile":
+            engine.compile()
 
         def step(ids):
             loss = engine(input_ids=ids, labels=ids).loss
@@ -170,15 +191,15 @@ def setup(args, system, world_size, device_name):
     if qlora:
         # FSDP2's policy casts every param to param_dtype, the packed 4-bit weights too (an fp32 cast breaks
         # their packing): under FSDP2 every param takes their storage dtype (bf16), which the cast leaves as it is.
-        param_dtype = QUANT_STORAGE if system == "fsdp2" else dtype
+        param_dtype = QUANT_STORAGE if system in FSDP2_SYSTEMS else dtype
         model = cast_unquantized(build_qlora_model(args.qlora_base, args.ac, dtype, device_name), param_dtype)
     else:
         # The base in ``dtype``, PEFT's adapters fp32: Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py.
         model = build_model(args.model, args.ac, full, dtype, device=device_name).to(device=device_name)
-    if system == "fsdp2":
-        model = fsdp2_shard(model, args.device, world_size, param_dtype)
+    if system in FSDP2_SYSTEMS:
+        model = fsdp2_shard(model, args.device, world_size, param_dtype, compile_layers=system == "fsdp2_compile")
     trainable = [p for p in model.parameters() if p.requires_grad]
-    count = sum(p.numel() for p in trainable) * (world_size if system == "fsdp2" else 1)
+    count = sum(p.numel() for p in trainable) * (world_size if system in FSDP2_SYSTEMS else 1)
     return plain_step(model, torch.optim.AdamW(trainable, lr=1e-4), trainable), None, count, model
 
 
@@ -258,7 +279,7 @@ def init_process_group(args, rank, world_size):
         from deepspeed.utils import logger
         logger.setLevel("ERROR")
         deepspeed.init_distributed(dist_backend=backend)
-    elif args.system == "fsdp2":
+    elif args.system in FSDP2_SYSTEMS:
         torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
 
 

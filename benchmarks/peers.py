@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paired  # noqa: E402
 import paired_report  # noqa: E402
 import peer_report  # noqa: E402
-from peer_worker import SYSTEMS, worker  # noqa: E402
+from peer_worker import DEFAULT_SYSTEMS, FORK_INSTALLED, SYSTEMS, worker  # noqa: E402
 from spawn import start_ranks  # noqa: E402
 from workload import save_random_base  # noqa: E402
 
@@ -80,7 +80,7 @@ def configurations(args):
 def run_configuration(args, world, system, mode, ac):
     """One configuration in fresh processes; the rank results merged (peak memory: the largest rank's)."""
     child = argparse.Namespace(**{**vars(args), "system": system, "mode": mode, "ac": ac})
-    ranks = start_ranks(worker, world, child, env={"ZERO3_AC_DISABLE": "0" if system == "fork" else "1"})
+    ranks = start_ranks(worker, world, child, env={"ZERO3_AC_DISABLE": "0" if system in FORK_INSTALLED else "1"})
     finished = ranks.join(args.timeout_s)
     by_rank = dict(ranks.drain())
     ranks.close()
@@ -150,7 +150,8 @@ def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: small on CPU, 1.1b on GPU")
-    parser.add_argument("--systems", type=listed(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", type=listed(SYSTEMS), default=list(DEFAULT_SYSTEMS),
+                        help=f"default {','.join(DEFAULT_SYSTEMS)}; the compiled anchors: fsdp2_compile, deepcompile")
     parser.add_argument("--modes", type=listed(MODES), default=list(DEFAULT_MODES),
                         help="lora, full, qlora (LoRA r16 on a 4-bit NF4 base, bitsandbytes); default lora,full")
     parser.add_argument("--ac", type=listed(CHECKPOINTING), default=list(CHECKPOINTING))
