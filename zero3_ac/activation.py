@@ -95,6 +95,9 @@ def _patches():
                                  fork_partition_parameters.params_to_partition_leaving_held_ones))
     else:
         patches.append(_wrapping(GatheredParameters, "__exit__", fork_partition_parameters.exit_leaving_held_params))
+    if fork_partition_parameters.coalesced_gather_waits_for_last_only():
+        patches.append(_wrapping(stock_partition_parameters.Init, "_allgather_params_coalesced",
+                                 fork_partition_parameters.allgather_params_coalesced_waiting_for_each))
     if "release_backward_leftovers" in DeepSpeedZeRoOffload.__dict__:
         patches.append(_wrapping(DeepSpeedZeRoOffload, "release_backward_leftovers", fork.release_backward_leftovers))
     return patches

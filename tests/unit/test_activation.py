@@ -11,6 +11,7 @@ import pytest
 import zero3_ac
 from tests.unit.common import run_distributed
 from zero3_ac import activation, version_guard
+from zero3_ac.runtime.zero.partition_parameters import coalesced_gather_waits_for_last_only
 
 # (module, class or None for a module-level name, name): what apply() patches
 PATCHED = [("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", "_register_deepspeed_module"),
@@ -20,7 +21,9 @@ PATCHED = [("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", 
            ("deepspeed.runtime.zero.partitioned_param_coordinator", None, "iter_params"),
            ("deepspeed.runtime.zero.parameter_offload", None, "iter_params"),
            ("deepspeed.runtime.zero.partition_parameters", None, "print_rank_0"),
-           ("deepspeed.runtime.zero.stage3", None, "print_rank_0")]
+           ("deepspeed.runtime.zero.stage3", None, "print_rank_0"),
+           *([("deepspeed.runtime.zero.partition_parameters", "Init", "_allgather_params_coalesced")]
+             if coalesced_gather_waits_for_last_only() else [])]
 # what the first ZeRO-3 engine under the fork changes for the whole process (docs/side-effects.md)
 PROCESS_WIDE = [("deepspeed.accelerator.cuda_accelerator", "CUDA_Accelerator", "current_stream"),
                 ("deepspeed.utils.nvtx", None, "enable_nvtx")]

@@ -1,5 +1,6 @@
-"""Debug printing in the hot path, and ``GatheredParameters`` around a param a module holds: extends
-upstream ``partition_parameters.py`` (and ``stage3.py``'s ``print_rank_0``).
+"""Debug printing in the hot path, ``GatheredParameters`` around a param a module holds, and the blocking
+gather of several params on gloo: extends upstream ``partition_parameters.py`` (and ``stage3.py``'s
+``print_rank_0``).
 
 Note: [Debug printing that prints nothing]
     ZeRO-3's ``print_rank_0(message, debug=False, force=False)`` (one in ``partition_parameters.py``,
@@ -21,7 +22,22 @@ Note: [A context that gathers what a module holds]
     holders, which release them when their calls are done. A context that broadcasts an update
     (``modifier_rank``) to held params is refused with the fix named: writing the update into the
     partition means releasing a param its holder is still using.
+
+Note: [A blocking gather of several params waits for each]
+    ``Init._allgather_params_coalesced``, the blocking gather of several params (``GatheredParameters``
+    on two or more partitioned params, ``_post_step``'s gather of the persistent params after every
+    ``step()``, checkpoint loading), starts one ``async_op=True`` all-gather per param, waits for the
+    last handle only, and points each param's data at its output buffer. NCCL runs the collectives in
+    order on one stream, so the last one done means all are; gloo runs asynchronous work on worker
+    threads in no order, and the accelerator's ``synchronize`` is a no-op on CPU. So on gloo with two
+    or more ranks the params before the last can be read before their data has arrived: half-written
+    or uninitialised values (an update of 1e27 in one rank, a reference model one step off, seen in
+    this repo's CPU runs on DeepSpeed 0.18.5), on stock as on the fork. DeepSpeed 0.19.8 waits for
+    every handle (upstream's comment names gloo); 0.18.5 and 0.19.2 do not. On those, the wrapper
+    records the handles of the all-gathers the call starts and waits for each before it returns.
 """
+
+import contextlib
 
 
 def print_rank_0_checking_flags_first(stock):
@@ -76,3 +92,57 @@ def exit_leaving_held_params(context, stock, *exc):
         return stock(context, *exc) if context.params else None
     finally:
         context.params = every_param
+
+
+# The first release read to wait for every handle; before it (0.18.5 and 0.19.2 read, 0.19.3-0.19.7 not read) the
+# wrapper is installed: waiting for a handle twice is harmless.
+WAITS_FOR_EACH_FROM = "0.19.8"
+
+
+def coalesced_gather_waits_for_last_only() -> bool:
+    """Whether the installed DeepSpeed's ``_allgather_params_coalesced`` needs the wrapper below."""
+    from packaging.version import Version
+
+    from zero3_ac import version_guard
+    return Version(version_guard.installed_deepspeed_version()) < Version(WAITS_FOR_EACH_FROM)
+
+
+# The gathers ``_allgather_params_coalesced`` starts, on both paths of upstream's code (``use_all_gather_into_tensor``
+# or not), through its module's ``dist`` (``deepspeed.comm``).
+_ALL_GATHERS = ("all_gather_into_tensor", "all_gather")
+
+
+@contextlib.contextmanager
+def _recording_all_gathers(handles):
+    """``deepspeed.comm``'s all-gathers append the work handle they return to ``handles`` inside the block."""
+    from deepspeed import comm
+
+    def recording(stock):
+        def all_gather(*args, **kwargs):
+            handle = stock(*args, **kwargs)
+            if handle is not None:
+                handles.append(handle)
+            return handle
+
+        return all_gather
+
+    saved = {name: getattr(comm, name) for name in _ALL_GATHERS}
+    for name, stock in saved.items():
+        setattr(comm, name, recording(stock))
+    try:
+        yield
+    finally:
+        for name, stock in saved.items():
+            setattr(comm, name, stock)
+
+
+def allgather_params_coalesced_waiting_for_each(init, stock, param_list, *args, **kwargs):
+    """Wraps ``Init._allgather_params_coalesced`` where it waits for the last all-gather only (0.18.5, 0.19.2):
+    every all-gather the call started is done when it returns (Note [A blocking gather of several params
+    waits for each])."""
+    handles = []
+    with _recording_all_gathers(handles):
+        result = stock(init, param_list, *args, **kwargs)
+    for handle in handles:
+        handle.wait()
+    return result
