@@ -12,16 +12,7 @@ OUTDIR=${1:-$OUT}
 START=$SECONDS
 source benchmarks/gpu_site.sh
 mkdir -p "$OUTDIR"
-{
-    echo "# Compiled anchors, 1xH200"
-    echo
-    echo "$(date -u), $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
-    echo
-    python3 -c 'import torch, transformers, peft, deepspeed, zero3_ac; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "deepspeed", deepspeed.__version__, "fork active", zero3_ac.is_active())'
-    echo
-    echo "Commands (from the repository root; the carried wheels installed by \`source benchmarks/gpu_site.sh\`):"
-    echo
-} >"$OUTDIR/README.md" 2>&1
+readme_header "Compiled anchors, 1xH200" "$OUTDIR/README.md"
 run() {
     echo "    python3 benchmarks/peers.py $*" >>"$OUTDIR/README.md"
     python3 benchmarks/peers.py "$@" 2>&1 | grep -v -i warn | tee -a "$OUTDIR/anchors.log"

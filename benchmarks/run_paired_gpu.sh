@@ -17,16 +17,7 @@ source benchmarks/gpu_site.sh
 mkdir -p "$OUTDIR/1.1b" "$OUTDIR/8b"
 common="--paired --device cuda --systems plain,fsdp2,fork --aa fork --modes lora --ac nonreentrant --block ${BLOCK:-5} \
 --warmup 3 --timeout-s 300"
-{
-    echo "# Paired rounds, 1xH200: fork against FSDP2, plain PyTorch and itself (A/A)"
-    echo
-    echo "$(date -u), $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader)"
-    echo
-    python3 -c 'import torch, transformers, peft, deepspeed, zero3_ac; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__, "deepspeed", deepspeed.__version__, "fork active", zero3_ac.is_active())'
-    echo
-    echo "Commands (from the repository root; the carried wheels installed by \`source benchmarks/gpu_site.sh\`):"
-    echo
-} >"$OUTDIR/README.md" 2>&1
+readme_header "Paired rounds, 1xH200: fork against FSDP2, plain PyTorch and itself (A/A)" "$OUTDIR/README.md"
 run() {
     echo "    python3 benchmarks/peers.py $*" >>"$OUTDIR/README.md"
     python3 benchmarks/peers.py "$@" 2>&1 | grep -v -i warn | tee -a "$OUTDIR/paired.log"
