@@ -34,7 +34,9 @@ Note: [A blocking gather of several params waits for each]
     or uninitialised values (an update of 1e27 in one rank, a reference model one step off, seen in
     this repo's CPU runs on DeepSpeed 0.18.5), on stock as on the fork. DeepSpeed 0.19.8 waits for
     every handle (upstream's comment names gloo); 0.18.5 and 0.19.2 do not. On those, the wrapper
-    records the handles of the all-gathers the call starts and waits for each before it returns.
+    has each all-gather the call starts wait for its work before it returns the handle, so nothing in
+    the call (the dequantization of quantized weights included) or after it reads an unfinished
+    buffer. On NCCL that wait only orders the streams.
 """
 
 import contextlib
@@ -113,22 +115,22 @@ _ALL_GATHERS = ("all_gather_into_tensor", "all_gather")
 
 
 @contextlib.contextmanager
-def _recording_all_gathers(handles):
-    """``deepspeed.comm``'s all-gathers append the work handle they return to ``handles`` inside the block."""
+def _all_gathers_done_when_they_return():
+    """Inside the block ``deepspeed.comm``'s all-gathers wait for the work they start before they return it."""
     from deepspeed import comm
 
-    def recording(stock):
+    def waiting(stock):
         def all_gather(*args, **kwargs):
             handle = stock(*args, **kwargs)
             if handle is not None:
-                handles.append(handle)
+                handle.wait()
             return handle
 
         return all_gather
 
     saved = {name: getattr(comm, name) for name in _ALL_GATHERS}
     for name, stock in saved.items():
-        setattr(comm, name, recording(stock))
+        setattr(comm, name, waiting(stock))
     try:
         yield
     finally:
@@ -138,11 +140,7 @@ def _recording_all_gathers(handles):
 
 def allgather_params_coalesced_waiting_for_each(init, stock, param_list, *args, **kwargs):
     """Wraps ``Init._allgather_params_coalesced`` where it waits for the last all-gather only (0.18.5, 0.19.2):
-    every all-gather the call started is done when it returns (Note [A blocking gather of several params
-    waits for each])."""
-    handles = []
-    with _recording_all_gathers(handles):
-        result = stock(init, param_list, *args, **kwargs)
-    for handle in handles:
-        handle.wait()
-    return result
+    each all-gather the call starts is done before the call reads its output, the dequantization of
+    quantized weights included (Note [A blocking gather of several params waits for each])."""
+    with _all_gathers_done_when_they_return():
+        return stock(init, param_list, *args, **kwargs)
