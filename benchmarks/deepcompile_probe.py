@@ -41,7 +41,7 @@ def probe(rank, world_size, port, args, queue):
 
 
 def main():
-    from workload import MODELS  # noqa: F401 (fails early outside benchmarks/)
+    from peers import SHAPES
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1.1b", choices=["1.1b", "8b"])
     parser.add_argument("--ac", default="nonreentrant,none")
@@ -51,7 +51,7 @@ def main():
     for ac in options.ac.split(","):
         for disable in ("1", "0"):
             args = argparse.Namespace(device="cuda", mbs=2 if options.shape == "1.1b" else 1, seq=options.seq,
-                                      model={"1.1b": "tinyllama", "8b": "llama3-8b"}[options.shape], ac=ac,
+                                      model=SHAPES[options.shape], ac=ac,
                                       mode="lora", qlora_base=None, steps=options.steps)
             ranks = start_ranks(probe, 1, args, env={"ZERO3_AC_DISABLE": disable})
             ranks.join(600)
