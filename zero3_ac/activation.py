@@ -6,7 +6,7 @@ registered); engines created while it was active keep the fork's hooks after :fu
 
 Note: [Changes that reach beyond ZeRO-3]
     :func:`apply` patches only what ZeRO-3 alone runs (its offload, coordinator, optimizer, linear
-    and debug printing) plus two ``DeepSpeedEngine`` wrappers that act only on ZeRO-3 setups. The
+    and debug printing) plus four ``DeepSpeedEngine`` wrappers that act only on ZeRO-3 setups. The
     changes that every engine or module in the process would see wait until the fork takes over the
     first ZeRO-3 engine's modules (:func:`_process_wide_patches`, torch's module registration
     hooks in ``module_tree``): a process that only runs ZeRO-0/1/2 or inference engines keeps
@@ -82,6 +82,8 @@ def _patches():
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
         _wrapping(DeepSpeedEngine, "_configure_zero_optimizer", fork_engine.configure_zero_optimizer),
+        _wrapping(DeepSpeedEngine, "_forward_prologue", fork_engine.forward_prologue),
+        _wrapping(DeepSpeedEngine, "_forward_epilogue", fork_engine.forward_epilogue),
         (LinearFunctionForZeroStage3, "forward", fork_linear.replacement_forward(LinearFunctionForZeroStage3)),
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
           for name in ("reduce_ready_partitions_and_remove_grads", "partition_grads",
