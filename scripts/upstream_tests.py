@@ -47,6 +47,9 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ElementTree
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from zero3_ac.utils import spawn  # noqa: E402  (stdlib only)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_VENV = sys.prefix
 MODES = {"stock": {"ZERO3_AC_DISABLE": "1"}, "fork": {}}
@@ -150,11 +153,46 @@ def run(tests, venv, mode, test, junit, pytest_args, timeout, stage3_only):
         env.pop("ZERO3_AC_DISABLE", None)
     command = [os.path.join(venv, "bin", "python"), "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE",
                f"--junitxml={junit}", *(["-p", "zero3_ac_stage3_only"] if stage3_only else []), test, *pytest_args]
+    before = upstream_shm_buffers()
     try:
         return subprocess.run(command, cwd=tests, env=env, timeout=timeout).returncode
     except subprocess.TimeoutExpired:
         print(f"{mode} {test}: timed out after {timeout} s", flush=True)
         return None
+    finally:
+        remove_new_shm_buffers(before)
+
+
+# Upstream's ``get_master_port`` (tests/unit/common.py) takes the first free port from 29500 on.
+UPSTREAM_PORTS = range(29500, 30500)
+
+
+def upstream_shm_buffers() -> dict:
+    """DeepSpeed's shm all-reduce buffers named with upstream's test ports, and their modification times
+    (Note: [DeepSpeed's shm all-reduce buffers] in zero3_ac/utils/spawn.py)."""
+    buffers = {}
+    for path in spawn.shm_buffers("*", addr="*"):
+        port = path.rsplit("_", 2)[-2]
+        if port.isdigit() and int(port) in UPSTREAM_PORTS:
+            try:
+                buffers[path] = os.stat(path).st_mtime_ns
+            except FileNotFoundError:
+                pass
+    return buffers
+
+
+def remove_new_shm_buffers(before: dict) -> int:
+    """After one pytest process of upstream's tests: unlink the buffers its ranks created or re-created (upstream's
+    harness leaves them, 66 MB per rank); returns how many."""
+    removed = 0
+    for path, mtime in upstream_shm_buffers().items():
+        if before.get(path) != mtime:
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def outcomes(junit):
