@@ -1,5 +1,6 @@
 """``DeepSpeedEngine`` setups that the per-invocation lifecycle leaves to stock ZeRO-3, the one it
-refuses, and the config it reads: extends upstream ``engine.py``.
+refuses, the config it reads, and the forward prologue's walk of every module, cached: extends upstream
+``engine.py``.
 
 Note: [Engines left to stock]
     Two ZeRO-3 setups own the params in ways the lifecycle cannot share:
