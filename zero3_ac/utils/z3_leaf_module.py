@@ -41,6 +41,7 @@ CONFIG_KEY = "gather_units"
 _API_ATTR = "_zero3_ac_gather_units"
 _CONFIG_ATTR = "_zero3_ac_gather_units_config"
 _UNIT_MARK = "_zero3_ac_gather_unit"
+_markings = [0]  # how many times units were marked in this process: facts computed per unit key on it
 
 
 def _validated(units, where):
@@ -106,6 +107,7 @@ def _candidate_test(root, units):
 
 def mark_gather_units(root, max_live_numel) -> list:
     """Make ``root``'s gather units ZeRO-3 leaves (dropping earlier marks under it); returns them."""
+    _markings[0] += 1
     for module in root.modules():
         if module.__dict__.pop(_UNIT_MARK, False):
             set_z3_leaf_module(module, False)
@@ -128,6 +130,11 @@ def mark_gather_units(root, max_live_numel) -> list:
         logger.info(f"zero3_ac: {len(new_units)} gather units ({', '.join(kinds)}); "
                     f"\"{CONFIG_SECTION}\": {{\"{CONFIG_KEY}\": \"{OFF}\"}} gathers module by module")
     return chosen
+
+
+def markings() -> int:
+    """Grows each time units are marked anywhere: what was computed from the units is stale once it changes."""
+    return _markings[0]
 
 
 def user_leaves_at(module) -> list:

@@ -479,7 +479,9 @@ class InvocationLifecycle:
 #     - A candidate is not a unit when a module inside it also hangs elsewhere in the model (shared
 #       by two parents): called from outside the unit, that module would have no hooks to gather it.
 #     - A user's leaf inside a unit stays a leaf of ZeRO-3's optimizer: a unit changes how params
-#       are gathered and released, never how their gradients are reduced. Upstream reduces a leaf's
+#       are gathered and released, and when their gradients enter the reduce bucket (Note: [A unit's
+#       gradients enter the reduce bucket together]), never which gradients are reduced together
+#       or in what order. Upstream reduces a leaf's
 #       params together from the leaf's backward hook, with zeros for params that got no gradient
 #       (MoE experts not routed to on this rank), so every rank reduces the same params in the same
 #       order. Reduced one by one instead, ranks that ran different experts fill different buckets:
@@ -536,6 +538,65 @@ def _outermost(tops: Iterable[Hashable], children: Callable[[Hashable], Iterable
             continue
         stack.extend(reversed(list(children(module))))
     return found
+
+
+# ---------------------------------------------------------------- gradient batches
+# Note: [A unit's gradients enter the reduce bucket together]
+#     ZeRO-3 moves each trainable param's gradient into its reduce bucket from the param's
+#     post-accumulate-grad hook, one param at a time: a stream switch, a copy and a
+#     ``record_stream`` for each (about 70 Python calls for one LoRA matrix). The fork keeps those
+#     hooks and everything they decide (when a bucket is reduced, the expected-hook count, the
+#     end-of-backward epilogue) and changes only *when* a gather unit's gradients move: the hook of
+#     a unit's param leaves the gradient where ``AccumulateGrad`` put it, and once each of the
+#     unit's batched params has its gradient they all move in one copy under one stream switch.
+#     - The bucket sees the params in the order their gradients arrived, as on stock: an arrival
+#       for anything else (another unit's param, a param in no unit, the end of the backward) moves
+#       the pending ones first. The buckets therefore reduce the same params in the same order,
+#       on every rank, and the step is stock's to the bit.
+#     - A gradient that arrives again for a param still pending (reentrant checkpointing, a unit
+#       called twice) was summed into the pending one by ``AccumulateGrad``: it moves once.
+#     - At most one unit is pending, and a unit is batched only when its trainable elements fit in
+#       one reduce bucket: the gradient memory outside the buckets grows by at most one bucket
+#       (LoRA adapters of a decoder layer: a few MB; a fully trained decoder layer is not batched).
+#     - A unit whose params do not all get a gradient (a branch the data skipped) moves at the next
+#       arrival of anything else, or at the end of the backward.
+
+
+class GradientBatch:
+    """The gradients of one unit that wait to enter the reduce bucket together (see [A unit's
+    gradients enter the reduce bucket together]). Params and units are opaque keys."""
+    __slots__ = ("unit", "pending", "_arrived", "_missing")
+
+    def __init__(self):
+        self.unit = None
+        self.pending: List[Hashable] = []
+        self._arrived = bytearray()
+        self._missing = 0
+
+    def arrive(self, param: Hashable, unit: Optional[Hashable], index: int = 0, size: int = 1) -> List[Hashable]:
+        """``param``'s gradient arrived; it is the ``index``-th of the ``size`` batched params of
+        ``unit`` (None: of no unit, it moves on its own after what this returns). Returns the
+        params whose gradients move into the bucket now, in order."""
+        if unit is None:
+            return self.take()
+        moved = []
+        if unit != self.unit:
+            moved = self.take()
+            self.unit, self._arrived, self._missing = unit, bytearray(size), size
+        if self._arrived[index]:
+            return moved
+        self._arrived[index] = 1
+        self.pending.append(param)
+        self._missing -= 1
+        if not self._missing:
+            moved += self.take()
+        return moved
+
+    def take(self) -> List[Hashable]:
+        """Everything pending, in arrival order; the batch is empty afterwards."""
+        pending = self.pending
+        self.unit, self.pending, self._arrived, self._missing = None, [], bytearray(), 0
+        return pending
 
 
 # ---------------------------------------------------------------- reuse distance

@@ -14,7 +14,7 @@ import weakref
 
 from deepspeed.utils import logger
 
-from zero3_ac.runtime.zero import stock_engines
+from zero3_ac.runtime.zero import stage3_unit_gradients, stock_engines
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -24,6 +24,7 @@ def discard_aborted_backward(optimizer) -> None:
     hook_state.backward_active_depth = 0
     hook_state.reset_for_new_step()
     hook_state.remaining_grad_acc_hooks = 0
+    stage3_unit_gradients.discard(optimizer)
     for bucket in optimizer.ipg_buckets.values():
         bucket.clear_params()
     for param_id in optimizer.params_already_reduced:

@@ -59,12 +59,13 @@ import contextlib
 
 import torch
 
+from zero3_ac.runtime.zero import stage3_unit_gradients
 from zero3_ac.runtime.zero.stock_engines import left_to_stock
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
 _REDUCED = "_zero3_ac_reduced_this_backward"
-_BUCKETED = "_zero3_ac_bucketed_this_backward"  # ds_id -> the gradient the hook left in a bucket
+_BUCKETED = stage3_unit_gradients.BUCKETED
 
 
 def _ids(optimizer, attribute) -> set:
@@ -100,10 +101,18 @@ def _waiting_in_a_bucket(optimizer, param) -> bool:
 
 
 def reduce_ready_partitions_and_remove_grads(optimizer, stock, param):
-    """Wraps the reduce hook's body: a gradient that arrives again for a param still waiting in a
+    """Wraps the reduce hook's body: a gather unit's gradients enter the bucket together
+    (stage3_unit_gradients), and a gradient that arrives again for a param still waiting in a
     bucket was summed into the bucketed one (Note [A gradient that arrives twice in one backward])."""
-    if left_to_stock(optimizer):
+    if left_to_stock(optimizer) or getattr(optimizer, "_coalesce_grad_reduction", False):
         return stock(optimizer, param)
+    batches = stage3_unit_gradients.unit_gradients(optimizer, lambda alone: _reduce_alone(optimizer, stock, alone))
+    if batches is not None and batches.keep(param):
+        return None
+    return _reduce_alone(optimizer, stock, param)
+
+
+def _reduce_alone(optimizer, stock, param):
     bucketed = optimizer.__dict__.setdefault(_BUCKETED, {})
     earlier = bucketed.get(param.ds_id)
     if earlier is not None and _waiting_in_a_bucket(optimizer, param):
@@ -145,10 +154,12 @@ def partition_grads(optimizer, stock, params_to_release, grad_partitions):
 
 
 def independent_gradient_partition_epilogue(optimizer, stock):
-    """Wraps the end-of-backward epilogue: partitions not written in this window yet are zero."""
-    stock(optimizer)
+    """Wraps the end-of-backward epilogue: pending unit gradients enter their buckets first;
+    partitions not written in this window yet are zero."""
     if left_to_stock(optimizer):
-        return
+        return stock(optimizer)
+    stage3_unit_gradients.end_of_backward(optimizer)
+    stock(optimizer)
     window = _window(optimizer)
     partitions = getattr(optimizer, _GRAD_PARTITIONS)
     if len(window) < len(partitions):
