@@ -73,7 +73,8 @@ def unit_gradients_case(world_size, gas, bucket_size, use_reentrant=False, repea
     initial = named_values(engine)
     adds, reduced, arrived = [0], [], []
     restores = [
-        _recording(DeepSpeedZeroOptimizer_Stage3, "add_grad_to_ipg_bucket", lambda opt, param: adds.__setitem__(0, adds[0] + 1)),
+        _recording(DeepSpeedZeroOptimizer_Stage3, "add_grad_to_ipg_bucket",
+                   lambda opt, param: adds.__setitem__(0, adds[0] + 1)),
         _recording(DeepSpeedZeroOptimizer_Stage3, "reduce_and_partition_ipg_grads",
                    lambda opt, dtype: reduced.extend(param.ds_id for param in opt.ipg_buckets[dtype].params)),
     ]
