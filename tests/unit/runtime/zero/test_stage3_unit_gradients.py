@@ -24,7 +24,9 @@ class TwoAdapterBlock(FrozenLoraBlock):
         super().__init__(dim)
         self.lora_up = torch.nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, skip_up):
+        if skip_up:  # a branch the data skips: the unit's second matrix gets no gradient
+            return super().forward(x)
         return super().forward(x) + self.lora_up(torch.tanh(x))
 
 
@@ -37,10 +39,10 @@ class Stack(torch.nn.Module):
         self.use_reentrant = use_reentrant
         self.repeat_first = repeat_first
 
-    def forward(self, x):
+    def forward(self, x, skip_up=False):
         blocks = [*self.blocks, self.blocks[0]] if self.repeat_first else self.blocks
         for block in blocks:
-            x = checkpoint(block, x, use_reentrant=self.use_reentrant)
+            x = checkpoint(block, x, skip_up, use_reentrant=self.use_reentrant)
         return self.head(x).pow(2).mean()
 
 
@@ -56,7 +58,8 @@ def _recording(optimizer_class, name, record):
     return lambda: setattr(optimizer_class, mangled, stock)
 
 
-def unit_gradients_case(world_size, gas, bucket_size, use_reentrant=False, repeat_first=False):
+def unit_gradients_case(world_size, gas, bucket_size, use_reentrant=False, repeat_first=False, skip_odd=False,
+                        offload=False):
     import deepspeed.comm as dist
     import zero3_ac
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -67,9 +70,16 @@ def unit_gradients_case(world_size, gas, bucket_size, use_reentrant=False, repea
         torch.nn.init.normal_(block.lora.weight, std=0.2)
         torch.nn.init.normal_(block.lora_up.weight, std=0.2)
     batches = micro_batches(STEPS * gas, world_size, requires_grad=use_reentrant, seed=3)
-    expected = reference_deltas(model, batches, gas)
+
+    def skips(index):
+        return skip_odd and index % 2 == 1
+
+    expected = reference_deltas(model, batches, gas, forward=lambda model, x, index: model(x, skips(index)))
     zero3_ac.set_gather_units(model, [TwoAdapterBlock.__name__])
-    engine = make_engine(model, zero_config(3, gas=gas, reduce_bucket_size=bucket_size))
+    config = zero_config(3, gas=gas, reduce_bucket_size=bucket_size,
+                         **({"offload_optimizer": {"device": "cpu"}} if offload else {}))
+    config["zero_force_ds_cpu_optimizer"] = False  # torch SGD on the offloaded partitions
+    engine = make_engine(model, config)
     initial = named_values(engine)
     adds, reduced, arrived = [0], [], []
     restores = [
@@ -84,7 +94,7 @@ def unit_gradients_case(world_size, gas, bucket_size, use_reentrant=False, repea
     try:
         rank = dist.get_rank()
         for index, row in enumerate(batches):
-            engine.backward(engine(row[rank]))
+            engine.backward(engine(row[rank], skips(index)))
             engine.step()
     finally:
         for restore in restores:
@@ -122,3 +132,14 @@ def test_a_unit_called_twice_reduces_the_summed_gradient(use_reentrant):
     result = run_distributed(2, unit_gradients_case, 2, 2, 10**6, use_reentrant, True)[0]
     if not use_reentrant:
         assert result["reduced"] == result["arrived"]
+
+
+@pytest.mark.parametrize("offload", [False, pytest.param(True, marks=pytest.mark.stock_fails)])
+def test_a_unit_whose_branch_the_data_skips_moves_at_the_next_arrival(offload):
+    """Every other micro-batch skips each unit's second matrix: the unit never completes, and its
+    pending gradient moves when the next unit's first gradient arrives (the last unit's: when the
+    head's does). Offloaded, stock loses the second matrices' gradients, which were not reduced in
+    the boundary micro-batch (stage3_gradients' Note [Micro-step 0 copies, and nothing else clears
+    the gradient partitions])."""
+    result = run_distributed(2, unit_gradients_case, 2, 2, 10**6, False, False, True, offload)[0]
+    assert result["reduced"] == result["arrived"]
