@@ -10,7 +10,8 @@
 # suite, or VERSION:SELECTION, which runs the pytest arguments of that
 # selection (see `selection` below) instead. With no path among the arguments
 # pytest collects `tests` (pytest.ini testpaths), i.e. a whole-suite entry runs
-# `python -m pytest tests -q [args]`; passing a path narrows it. Exit status: 0
+# `python -m pytest tests -q --durations=25 [args]` (the 25 slowest tests of each entry are printed: CI's
+# time, 35 minutes at most, is spent where they are); passing a path narrows it. Exit status: 0
 # only if every entry passed; "no tests collected" (pytest exit code 5) counts
 # as a failure.
 set -uo pipefail
@@ -62,7 +63,7 @@ for entry in $VERSIONS; do
     t_setup=$((SECONDS - t0))
     t1=$SECONDS
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 \
-        "$REPO/.venv/ds-$ver/bin/python" -m pytest -q "${SELECTION[@]}" "$@"
+        "$REPO/.venv/ds-$ver/bin/python" -m pytest -q --durations=25 "${SELECTION[@]}" "$@"
     rc=$?
     t_test=$((SECONDS - t1))
     case $rc in
