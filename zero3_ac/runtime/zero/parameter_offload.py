@@ -368,16 +368,6 @@ class ModuleInvocationHooks:
             slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self))
             boundary.slot = slot
             return slot
-        # Note: [Calls with nothing to hold]
-        #     A call with no grad-requiring input waits for the gradients of every trainable param
-        #     under its module (Note [When a call's backward starts and ends]): for the wrappers
-        #     around a PEFT model (PeftModel, LoraModel, LlamaForCausalLM, LlamaModel), each of
-        #     every adapter matrix, a subscription per param and wrapper at every step. Such a slot
-        #     exists to hold the module's own and external params in its backward, and to take the
-        #     holds a replay of the module hands off; a module with neither has a replay that holds
-        #     nothing too. Its call gets no slot, as a call whose outputs need no grad.
-        if not module_params(module):
-            return None
         trainable = self._trainable_under(module)
         if not trainable:
             return None
