@@ -36,9 +36,13 @@ export TORCH_EXTENSIONS_DIR=$REPO/.cache/torch_extensions/ds-$DSVER
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 mkdir -p "$TORCH_EXTENSIONS_DIR"
 
-# Serialize concurrent runs (they share the repo's build/ directory).
+# Serialize concurrent runs for one venv; runs for different versions go on side by side (scripts/test.sh
+# sets up all of its versions at once) and wait for each other only to build the project (below).
+have_flock=0
 if command -v flock >/dev/null 2>&1; then
-    exec 9>"$REPO/.cache/setup_env.lock"
+    have_flock=1
+    mkdir -p "$REPO/.cache"
+    exec 9>"$REPO/.cache/setup_env-ds-$DSVER.lock"
     flock 9
 fi
 
@@ -144,9 +148,16 @@ fi
 # Always a fresh, non-editable build: a stale build/lib would smuggle deleted
 # modules into the wheel, and an editable install would not install zero3_ac.pth.
 t1=$SECONDS
+if [[ $have_flock == 1 ]]; then
+    exec 8>"$REPO/.cache/setup_env-build.lock"  # every version builds in the repo's build/ directory
+    flock 8
+fi
 rm -rf "$REPO/build"
 (cd "$REPO" && pip_ install --no-deps --force-reinstall --no-build-isolation .)
 rm -rf "$REPO/build"
+if [[ $have_flock == 1 ]]; then
+    exec 8>&-
+fi
 log "project installed in $((SECONDS - t1))s"
 
 # ---------------------------------------------------------------- comm op
