@@ -20,8 +20,11 @@ def main():
     torch.cuda.set_device(0)
     side = torch.cuda.Stream()
     from deepspeed.accelerator import get_accelerator
+    from zero3_ac.accelerator import cuda_accelerator
     accelerator = get_accelerator()
     calls = {
+        "zero3_ac current_stream (the fork's CUDA_Accelerator.current_stream)":
+        lambda: cuda_accelerator.current_stream(accelerator),
         "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(),
         "torch.cuda.current_stream(torch.cuda.current_device())":
         lambda: torch.cuda.current_stream(torch.cuda.current_device()),

@@ -4,9 +4,12 @@ Note: [The current stream of no device in particular]
     ZeRO-3 asks ``get_accelerator().current_stream()`` for every param it frees (``free_param``
     records the freed data on it) and twice for every gradient it buckets: about 3,000 calls a step
     on an 8B LoRA model. Given no device, ``torch.cuda.current_stream`` finds the current device
-    through ``torch.cuda.is_available()`` (an environment lookup and a device count) on every call;
-    ``torch.cuda.current_device()`` names the same device and costs a fraction of that
-    (``benchmarks/cuda_stream_cost.py``). The stream returned is the same.
+    through ``torch.cuda.is_available()`` (an environment lookup and a device count) on every call,
+    and with a device it still runs ``_lazy_init`` and ``_get_device_index``, about ten Python calls in
+    all. Once CUDA is initialized, the stream is read the way ``torch.cuda.current_stream`` reads it
+    (``torch._C._cuda_getCurrentStream`` of the current device, ``torch._C._cuda_getDevice``) and
+    wrapped in the same ``torch.cuda.Stream`` (``benchmarks/cuda_stream_cost.py``). Before CUDA is
+    initialized, and for a device named by the caller, torch's own function answers.
 """
 
 import torch
@@ -14,6 +17,7 @@ import torch
 
 def current_stream(accelerator, device_index=None):
     """Replacement of ``CUDA_Accelerator.current_stream``: ``None`` means the current device."""
-    if device_index is None:
-        device_index = torch.cuda.current_device()
+    if device_index is None and torch.cuda.is_initialized():
+        stream_id, index, device_type = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
+        return torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=device_type)
     return torch.cuda.current_stream(device_index)

@@ -33,6 +33,7 @@ Note: [Engines left to stock]
 
 import contextlib
 
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 from deepspeed.utils import logger
 
 from zero3_ac.runtime.zero import stock_engines
@@ -41,6 +42,7 @@ from zero3_ac.utils import module_tree
 from zero3_ac.utils.z3_leaf_module import remember_config_setting
 
 _MODULES_WALK_CACHE_ATTR = "_zero3_ac_modules_walk"
+_FLAGGED_DICTS_ATTR = "_zero3_ac_forward_flag_dicts"
 
 
 class UnsupportedSetup(RuntimeError):
@@ -102,15 +104,38 @@ def configure_zero_optimizer(engine, stock, *args, **kwargs):
         return stock(engine, *args, **kwargs)
 
 
+def _flagged_dicts(root, modules):
+    """Each module's ``ZeROOrderedDict`` in walk order, while every module of ``modules`` still has the
+    one it had when the list was made; None if one does not have one (upstream's loop gives it one)."""
+    cached = root.__dict__.get(_FLAGGED_DICTS_ATTR)
+    if cached is None or cached[0] is not modules:
+        dicts = [module._parameters for module in modules]
+        if not all(isinstance(params, ZeROOrderedDict) for params in dicts):
+            root.__dict__.pop(_FLAGGED_DICTS_ATTR, None)
+            return None
+        cached = root.__dict__[_FLAGGED_DICTS_ATTR] = (modules, dicts)
+    for module, params in zip(modules, cached[1]):
+        if module._parameters is not params:
+            root.__dict__.pop(_FLAGGED_DICTS_ATTR, None)
+            return None
+    return cached[1]
+
+
 @contextlib.contextmanager
-def _root_modules_from_cached_walk(engine):
-    """While it is open, ``engine.module.modules()`` answers from the cached walk (see [The engine's walk
-    of every module at each root forward])."""
+def _root_modules_from_cached_walk(engine, in_forward: bool):
+    """While it is open, ``engine.module.modules()`` answers from the cached walk, or answers nothing
+    once every module's ``_in_forward`` is set here (see [The engine's walk of every module at each
+    root forward])."""
     root = engine.module
     if not _runs_the_lifecycle(engine) or "modules" in root.__dict__:
         yield
         return
     modules = module_tree.cached_walk(root, _MODULES_WALK_CACHE_ATTR, lambda module: module.modules())
+    dicts = None if engine.flops_profiler_enabled() else _flagged_dicts(root, modules)
+    if dicts is not None:
+        for params in dicts:
+            params._in_forward = in_forward
+        modules = ()
     root.__dict__["modules"] = lambda: iter(modules)
     try:
         yield
@@ -128,17 +153,23 @@ def forward_prologue(engine, stock, *args, **kwargs):
         again to reset the flag. That is two walks of every module per root forward: about 2,700
         modules and 53,000 generator resumptions per step for an 8B LoRA model, since ``modules()``
         runs ``named_modules``, which builds every module's prefixed name. Both methods run
-        unchanged; while they run, the root's ``modules`` is an instance attribute that iterates
-        the list cached by ``module_tree`` (see [Module trees that change shape]): the same modules
-        in the same order, each still visited by upstream's loop. A module attached after
-        ``initialize`` (``setattr``, ``add_module``) renews the list. Engines left to stock walk as
+        unchanged; while they run, the root's ``modules`` is an instance attribute that answers from
+        the list cached by ``module_tree`` (see [Module trees that change shape]). Once every module
+        of that list has a ``ZeROOrderedDict`` (upstream's loop gives one to a module that has none,
+        ``ensure_zero_ordered_dict``, 0.19.3+), the wrapper sets the flag on each of them from a list
+        of those dicts, the one store per module that upstream's loop would make, and ``modules``
+        answers nothing, so the loop has nothing left to do. Otherwise ``modules`` answers the cached
+        modules, in the same order, and upstream's loop visits each. A module attached after
+        ``initialize`` (``setattr``, ``add_module``) renews the list; a module whose ``_parameters``
+        was replaced sends that forward through upstream's loop. With the flops profiler on (its
+        profile starts in the prologue) upstream's loop always runs. Engines left to stock walk as
         stock does.
     """
-    with _root_modules_from_cached_walk(engine):
+    with _root_modules_from_cached_walk(engine, in_forward=True):
         return stock(engine, *args, **kwargs)
 
 
 def forward_epilogue(engine, stock, *args, **kwargs):
     """Wraps ``DeepSpeedEngine._forward_epilogue``: see [The engine's walk of every module at each root forward]."""
-    with _root_modules_from_cached_walk(engine):
+    with _root_modules_from_cached_walk(engine, in_forward=False):
         return stock(engine, *args, **kwargs)

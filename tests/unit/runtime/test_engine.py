@@ -37,20 +37,30 @@ class RecordsItsForwardFlag(torch.nn.Linear):
 
 
 @contextlib.contextmanager
-def counting_named_modules_of(root):
-    counts = [0]
+def counting_walks_of(root):
+    """Counts the walks of ``root``'s tree (``named_modules``) and the modules that upstream's prologue
+    loop visited (``ensure_zero_ordered_dict``, 0.19.3+)."""
+    from deepspeed.runtime import engine as ds_engine
+    counts = {"walks": 0, "visits": 0}
     named_modules = torch.nn.Module.named_modules
+    ensure_zero_ordered_dict = ds_engine.ensure_zero_ordered_dict
 
     def counting(module, *args, **kwargs):
         if module is root:
-            counts[0] += 1
+            counts["walks"] += 1
         return named_modules(module, *args, **kwargs)
 
+    def visiting(module):
+        counts["visits"] += 1
+        return ensure_zero_ordered_dict(module)
+
     torch.nn.Module.named_modules = counting
+    ds_engine.ensure_zero_ordered_dict = visiting
     try:
         yield counts
     finally:
         torch.nn.Module.named_modules = named_modules
+        ds_engine.ensure_zero_ordered_dict = ensure_zero_ordered_dict
 
 
 def prologue_walk_case():
@@ -66,9 +76,9 @@ def prologue_walk_case():
             engine.module.late = RecordsItsForwardFlag(DIM, DIM)
             reference.late = copy.deepcopy(engine.module.late)
         x = torch.randn(2, DIM, generator=torch.Generator().manual_seed(step))
-        with counting_named_modules_of(engine.module) as counts:
+        with counting_walks_of(engine.module) as counts:
             loss = engine(x)
-        walks.append(counts[0])
+        walks.append(counts)
         assert "modules" not in engine.module.__dict__, "the cached walk outlived the forward"
         assert all(not getattr(module._parameters, "_in_forward", False) for module in engine.module.modules())
         expected = reference(x)
@@ -86,13 +96,20 @@ def prologue_walk_case():
 
 def test_forward_prologue_reaches_every_module_from_a_cached_walk():
     """External params are found as on stock, a module attached after ``initialize`` is reached, and
-    after the first forward of a tree the prologue and epilogue walk no module tree."""
+    after the first forward of a tree the prologue and epilogue walk no module tree, and upstream's
+    prologue loop visits no module."""
     from deepspeed.runtime.zero import parameter_offload
     if not hasattr(parameter_offload, "ensure_zero_ordered_dict"):
         pytest.skip("this DeepSpeed's own forward prologue fails on a module attached after initialize")
-    walks = run_distributed(1, prologue_walk_case)[0]
+    steps = run_distributed(1, prologue_walk_case)[0]
+    walks = [step["walks"] for step in steps]
+    visits = [step["visits"] for step in steps]
+    modules = (3, 4)  # the root and its two linears, then the module attached at step 2 too
     if fork_disabled():
         assert min(walks) >= 2, walks  # upstream: a walk in the prologue and one in the epilogue
+        assert visits == [modules[0], modules[0], modules[1], modules[1]], visits
     else:
         # The fork's own cached walks (the model's params, a module's subtree) also run when the tree is new.
         assert walks[0] >= 1 and walks[2] >= 1 and walks[1] == walks[3] == 0, walks
+        # The attached module's plain dict sends step 2 through upstream's loop, which gives it its ZeROOrderedDict.
+        assert visits == [0, 0, modules[1], 0], visits

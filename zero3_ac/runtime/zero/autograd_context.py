@@ -65,17 +65,26 @@ def is_replay_recompute() -> bool:
 _CHECKPOINT_PACK_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.", "checkpoint_pack", "replay_pack")
 
 
+# A pack hook's qualified name -> whether it is a checkpoint's: asked at every linear call, and the
+# names are a handful of functions.
+_is_checkpoint_pack_hook = {}
+
+
 def inside_checkpoint() -> bool:
     """Inside an activation-checkpointed region, forward or recompute, or inside a reentrant recompute.
 
     A reentrant checkpoint's forward runs under ``no_grad`` and its recompute inside the backward
     with no saved-tensors hook; a non-reentrant one's forward and recompute run under their pack hooks.
     """
-    pack = _top_pack_hook()
-    if pack is None:
-        return in_backward()
-    qualname = getattr(pack, "__qualname__", "")
-    return any(marker in qualname for marker in _CHECKPOINT_PACK_HOOKS)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return torch._C._current_graph_task_id() != -1
+    qualname = getattr(hooks[0], "__qualname__", "")
+    try:
+        return _is_checkpoint_pack_hook[qualname]
+    except KeyError:
+        found = _is_checkpoint_pack_hook[qualname] = any(marker in qualname for marker in _CHECKPOINT_PACK_HOOKS)
+        return found
 
 
 def outside_selective_checkpoint():

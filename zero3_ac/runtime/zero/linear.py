@@ -44,7 +44,7 @@ from deepspeed.runtime.zero import linear as upstream
 from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
 from zero3_ac.runtime.zero import autograd_context
-from zero3_ac.runtime.zero.stock_engines import left_to_stock
+from zero3_ac.runtime.zero.stock_engines import LEFT_TO_STOCK_ATTR, left_to_stock
 
 
 def forward(input, weight, bias=None):
@@ -63,14 +63,12 @@ _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
 def apply(linear_function, input, weight, bias=None):
     """``LinearFunctionForZeroStage3.apply`` (a classmethod): torch's linear inside a checkpointed region,
     ZeRO-3's Function elsewhere (see [torch's own linear inside a checkpoint])."""
-    if (autograd_context.inside_checkpoint() or not torch.is_grad_enabled()) and not left_to_stock(weight):
-        return _torch_linear()(input, weight, bias)
+    # left_to_stock(weight), and torch.nn.functional.linear as it was before ZeRO-3 replaced it (whatever
+    # wrapped it before), inlined: every linear call of the model comes here.
+    stock_weight = getattr(weight, LEFT_TO_STOCK_ATTR, False)
+    if (autograd_context.inside_checkpoint() or not torch.is_grad_enabled()) and not stock_weight:
+        return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch._C._nn.linear)(input, weight, bias)
     return _FUNCTION_APPLY(linear_function, input, weight, bias)
-
-
-def _torch_linear():
-    """``torch.nn.functional.linear`` as it was before ZeRO-3 replaced it (whatever wrapped it before)."""
-    return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch._C._nn.linear)
 
 
 def replacement_forward(linear_function):

@@ -10,6 +10,8 @@ by ``release_sub_module``.
 stock DeepSpeed too: the fork's accounting, the gather meter and the timeline recorder listen to it.
 """
 
+import operator
+
 import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
@@ -188,9 +190,10 @@ class InvocationParams:
     def __init__(self, coordinator, max_handoff_numel: int, will_open):
         self.coordinator = coordinator
         self.accounting = LifecycleAccounting()
-        self.lifecycle = InvocationLifecycle(numel=lambda param: param.ds_numel,
+        # attrgetter: the holder set is read at every hold and release, and a C callable costs no Python frame.
+        self.lifecycle = InvocationLifecycle(numel=operator.attrgetter("ds_numel"),
                                              frozen=lambda param: not param.requires_grad,
-                                             holder_set=lambda param: param.ds_active_sub_modules,
+                                             holder_set=operator.attrgetter("ds_active_sub_modules"),
                                              max_handoff_numel=max_handoff_numel,
                                              will_open=will_open)
         self.phase = "forward"

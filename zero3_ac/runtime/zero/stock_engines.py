@@ -13,7 +13,7 @@ object through which a patched method is reached:
 import contextlib
 import contextvars
 
-_MARK = "_zero3_ac_left_to_stock"
+LEFT_TO_STOCK_ATTR = "_zero3_ac_left_to_stock"
 _configuring_stock_engine = contextvars.ContextVar("zero3_ac_configuring_stock_engine", default=False)
 
 
@@ -33,15 +33,15 @@ def left_to_stock(obj) -> bool:
     ``getattr``, not the instance dict: Dynamo traces this inside ZeRO-3's linear under
     ``torch.compile``, and reads a tensor's attributes but not its ``__dict__``.
     """
-    return getattr(obj, _MARK, False)
+    return getattr(obj, LEFT_TO_STOCK_ATTR, False)
 
 
 def offload_left_to_stock(offload) -> bool:
     """Whether ``offload`` belongs to an engine left to stock: decided at its first hooks'
     registration, which its constructor runs while its engine is being configured."""
-    left = offload.__dict__.get(_MARK)
+    left = offload.__dict__.get(LEFT_TO_STOCK_ATTR)
     if left is None:
-        left = offload.__dict__[_MARK] = _configuring_stock_engine.get()
+        left = offload.__dict__[LEFT_TO_STOCK_ATTR] = _configuring_stock_engine.get()
     return left
 
 
@@ -50,6 +50,6 @@ def mark(objects, left: bool) -> None:
     by a later engine, so the mark is also cleared)."""
     for obj in objects:
         if left:
-            obj.__dict__[_MARK] = True
+            obj.__dict__[LEFT_TO_STOCK_ATTR] = True
         else:
-            obj.__dict__.pop(_MARK, None)
+            obj.__dict__.pop(LEFT_TO_STOCK_ATTR, None)
