@@ -8,6 +8,11 @@ every cycle, so no system always follows the same one). A cycle pairs each two s
 their block medians. The host's speed drifts between and within calls; inside one cycle it barely
 moves. Rounds repeat with fresh processes until ``--rounds`` or ``--budget-s``. Rows go to runs.jsonl
 (one per system per round); paired_report.py writes README.md and paired.png from them.
+
+The systems' processes start in an order that rotates by one every round, so that no system is always the
+last to start. With ``--pin-cores`` each rank process of a round runs on cores of its own (the host's cores
+split evenly between them, ``os.sched_setaffinity``, and as many torch threads), so that no system's host
+thread shares a core with another process's threads; the cores each process got are in its row.
 """
 
 import argparse
@@ -41,8 +46,11 @@ def _error_text(exc):
     return f"{type(exc).__name__}: {text}"
 
 
-def serve(rank, world_size, port, args, connection):
+def serve(rank, world_size, port, args, connection, cores=None):
     """One rank of one system: set up, warm up, say ready, then run the blocks of steps it is sent."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
     os.environ.update(rank_spawn.rank_environment(rank, world_size, port))
     if args.device == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
@@ -70,7 +78,8 @@ def serve(rank, world_size, port, args, connection):
 
         for _ in range(max(args.warmup, 1)):
             _, loss = timed_step()
-        info = dict(param_dtypes=param_dtypes(model), compute_dtypes=compute.take(), trainable_params=trainable)
+        info = dict(param_dtypes=param_dtypes(model), compute_dtypes=compute.take(), trainable_params=trainable,
+                    cores=sorted(os.sched_getaffinity(0)) if cores else None)
         if engine is not None:
             import zero3_ac
             info["fork_active"] = zero3_ac.is_active()
@@ -99,7 +108,8 @@ def serve(rank, world_size, port, args, connection):
 class System:
     """The rank processes of one system in one round, and the pipe to each."""
 
-    def __init__(self, label, args, world):
+    def __init__(self, label, args, world, cores=None):
+        """``cores``: one list of cores per rank, or None (the processes may run anywhere)."""
         self.label = label
         self.error = None
         self.info = {}
@@ -115,7 +125,8 @@ class System:
             self.connections, self.processes = [], []
             for rank in range(world):
                 ours, theirs = context.Pipe()
-                process = context.Process(target=serve, args=(rank, world, self.port, child, theirs))
+                process = context.Process(target=serve,
+                                          args=(rank, world, self.port, child, theirs, cores[rank] if cores else None))
                 process.start()
                 self.connections.append(ours)
                 self.processes.append(process)
@@ -174,7 +185,12 @@ def run_round(args, round_index, world, mode, ac, labels):
     """One round of one configuration: every label's processes at once, blocks in rotating order.
     Returns one row per label."""
     configured = _with(args, mode=mode, ac=ac)
-    systems = [System(label, configured, world) for label in labels]
+    cores = _core_sets(len(labels) * world) if getattr(args, "pin_cores", False) else None
+    start = round_index % len(labels)
+    started_order = labels[start:] + labels[:start]
+    by_label = {label: System(label, configured, world, cores and cores[index * world:(index + 1) * world])
+                for index, label in enumerate(started_order)}
+    systems = [by_label[label] for label in labels]
     started = time.monotonic()
     for system in systems:
         answers = system.receive("ready", args.timeout_s - (time.monotonic() - started))
@@ -203,12 +219,21 @@ def run_round(args, round_index, world, mode, ac, labels):
         row = dict(round=round_index, label=system.label, system=system_of(system.label), world=world, mode=mode,
                    ac=ac, shape=args.shape, model=args.model, seq=args.seq, mbs=args.mbs, device=args.device,
                    warmup=args.warmup, block=args.block, error=system.error, block_s=blocks[system.label],
-                   cycle_orders=orders, step_s=steps, **system.info, **system.done)
+                   cycle_orders=orders, started_order=started_order, step_s=steps, **system.info, **system.done)
         if steps and not system.error:
             median = statistics.median(steps)
             row.update(step_s_median=median, tokens_per_s=world * args.mbs * args.seq / median)
         rows.append(row)
     return rows
+
+
+def _core_sets(processes):
+    """The cores this process may use, split into ``processes`` equal runs of consecutive cores."""
+    available = sorted(os.sched_getaffinity(0))
+    each = len(available) // processes
+    if each < 1:
+        raise SystemExit(f"--pin-cores: {processes} rank processes but {len(available)} cores")
+    return [available[index * each:(index + 1) * each] for index in range(processes)]
 
 
 def labels_for(args, world):

@@ -172,6 +172,8 @@ def parse(argv=None):
     parser.add_argument("--aa", choices=SYSTEMS, default=None, help="--paired: a second copy of this system")
     parser.add_argument("--reference", choices=SYSTEMS, default=None, help="--paired: numerator of the ratios")
     parser.add_argument("--block", type=int, default=5, help="--paired: steps a system runs per turn")
+    parser.add_argument("--pin-cores", action="store_true",
+                        help="--paired: each rank process on cores of its own (see paired.py)")
     args = parser.parse_args(argv)
     if args.aa and args.aa not in args.systems:
         parser.error(f"--aa {args.aa} is not among --systems {','.join(args.systems)}")
