@@ -368,6 +368,28 @@ class ModuleInvocationHooks:
             slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self))
             boundary.slot = slot
             return slot
+        # Note: [Calls with nothing to hold]
+        #     A call with no grad-requiring input waits for the gradients of every trainable param
+        #     under its module (Note [When a call's backward starts and ends]): for the wrappers
+        #     around a PEFT model (PeftModel, LoraModel, LlamaForCausalLM, LlamaModel), each of
+        #     every adapter matrix, a subscription per param and wrapper at every step. Such a slot
+        #     exists to hold the module's own and external params in its backward, and to take the
+        #     holds a replay of the module hands off; a module with neither has a replay that holds
+        #     nothing too. Its call gets no slot, as a call whose outputs need no grad; the engine's
+        #     root module keeps its slot (Note [The root's outputs and DeepSpeed's accumulation hooks]).
+        #
+        # Note: [The root's outputs and DeepSpeed's accumulation hooks]
+        #     DeepSpeed 0.18 to 0.19.2 scales gradients for accumulation with a hook on every tensor
+        #     of the engine's output (``register_output_backward_hooks``, ``grad / gas``). A model that
+        #     returns its loss beside a tensor the loss was computed from (an HF causal LM's loss and
+        #     logits) sends the loss's gradient through both hooks: divided by the accumulation steps
+        #     twice. Stock ZeRO-3 never shows it: its post-forward hook returns the root's outputs
+        #     through an autograd Function, one per tensor, so the loss's graph reaches the logits
+        #     before that Function, which carry no hook. A slot wraps a call's outputs the same way
+        #     (``_OpenSlotOnGrad``), so the root keeps its slot whatever it holds. (0.19.3+ scales
+        #     once, for the graph ``engine.backward`` registers.)
+        if not module_params(module) and module is not self.offload.module:
+            return None
         trainable = self._trainable_under(module)
         if not trainable:
             return None
