@@ -185,9 +185,8 @@ def run_round(args, round_index, world, mode, ac, labels):
     """One round of one configuration: every label's processes at once, blocks in rotating order.
     Returns one row per label."""
     configured = _with(args, mode=mode, ac=ac)
-    cores = _core_sets(len(labels) * world) if getattr(args, "pin_cores", False) else None
-    start = round_index % len(labels)
-    started_order = labels[start:] + labels[:start]
+    cores = core_sets(len(labels) * world) if getattr(args, "pin_cores", False) else None
+    started_order = start_order(labels, round_index)
     by_label = {label: System(label, configured, world, cores and cores[index * world:(index + 1) * world])
                 for index, label in enumerate(started_order)}
     systems = [by_label[label] for label in labels]
@@ -227,7 +226,13 @@ def run_round(args, round_index, world, mode, ac, labels):
     return rows
 
 
-def _core_sets(processes):
+def start_order(labels, round_index):
+    """The order in which round ``round_index`` starts the systems' processes: ``labels`` rotated by one a round."""
+    start = round_index % len(labels)
+    return labels[start:] + labels[:start]
+
+
+def core_sets(processes):
     """The cores this process may use, split into ``processes`` equal runs of consecutive cores."""
     available = sorted(os.sched_getaffinity(0))
     each = len(available) // processes
