@@ -379,7 +379,7 @@ class ModuleInvocationHooks:
         #     root module keeps its slot (Note [The root's outputs and DeepSpeed's accumulation hooks]).
         #
         # Note: [The root's outputs and DeepSpeed's accumulation hooks]
-        #     DeepSpeed 0.18 to 0.19.2 scales gradients for accumulation with a hook on every tensor
+        #     DeepSpeed 0.18.5 to 0.19.2 scales gradients for accumulation with a hook on every tensor
         #     of the engine's output (``register_output_backward_hooks``, ``grad / gas``). A model that
         #     returns its loss beside a tensor the loss was computed from (an HF causal LM's loss and
         #     logits) sends the loss's gradient through both hooks: divided by the accumulation steps

@@ -89,6 +89,6 @@ def loss_and_logits_case():
 
 
 def test_a_root_returning_its_loss_and_logits_is_scaled_for_accumulation_once():
-    """On DeepSpeed 0.18 to 0.19.2 the engine hooks both outputs; without the root's slot the loss's gradient
+    """On DeepSpeed 0.18.5 to 0.19.2 the engine hooks both outputs; without the root's slot the loss's gradient
     would be divided by the accumulation steps twice (half the update at GAS 2)."""
     run_distributed(1, loss_and_logits_case)
