@@ -18,10 +18,10 @@ set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO" || exit 1
-# The whole suite on the newest supported release, the whole suite less the benchmark scripts' smoke
-# tests on the oldest, and a short leg on 0.19.2, the last one before upstream's recompute fix, where
-# stock crashes (docs/compatibility.md).
-VERSIONS=${ZERO3_AC_DS_VERSIONS:-0.18.5:no-smoke 0.19.8 0.19.2:leg}
+# The whole suite on the newest supported release, the whole suite less the tools' tests on the oldest,
+# and a short leg on 0.19.2, the last one before upstream's recompute fix, where stock crashes
+# (docs/compatibility.md).
+VERSIONS=${ZERO3_AC_DS_VERSIONS:-0.18.5:no-tools 0.19.8 0.19.2:leg}
 
 # selection NAME: the pytest arguments of a named selection, in the array SELECTION.
 selection() {
@@ -33,11 +33,12 @@ selection() {
                        tests/unit/runtime/zero/test_aliased_inputs.py
                        tests/unit/runtime/zero/test_multiple_forwards.py
                        -k "not TestZeroUserBackwardFrozenParamCheckpointing or (-3- and -2])") ;;
-        no-smoke)
-            # The whole suite less the smoke tests of the benchmark scripts (tests/benchmarks/test_*_smoke.py,
-            # about 200 s on 2 cores): they check the scripts, not DeepSpeed, and run on the newest release.
-            # The counters and the other tests of tests/benchmarks/ stay.
-            SELECTION=("--ignore-glob=tests/benchmarks/test_*_smoke.py") ;;
+        no-tools)
+            # The whole suite less the tests of the project's tools: the benchmark scripts' smoke tests
+            # (tests/benchmarks/test_*_smoke.py, about 200 s on 2 cores) and the doctor with its self-test
+            # (tests/unit/test_doctor.py, about 55 s). They check the tools and run on the newest release;
+            # the counters and the other tests of tests/benchmarks/ stay.
+            SELECTION=("--ignore-glob=tests/benchmarks/test_*_smoke.py" "--ignore=tests/unit/test_doctor.py") ;;
         *) return 1 ;;
     esac
 }
