@@ -122,13 +122,11 @@ EOF
             exit 1
         fi
     fi
-    # --no-compile: pip would byte-compile every installed file (torch alone has thousands), CPU time that
-    # CI's two cores spend before any test; Python compiles what a test imports, once, on first import.
     log "installing $TORCH_SPEC"
-    pip_ install --no-compile "${torch_idx[@]}" "$TORCH_SPEC"
+    pip_ install "${torch_idx[@]}" "$TORCH_SPEC"
 
     log "installing deepspeed==$DSVER and dev requirements"
-    pip_ install --no-compile -c "$CONSTRAINTS" \
+    pip_ install -c "$CONSTRAINTS" \
         "deepspeed==$DSVER" \
         -r "$REPO/requirements/requirements.txt" \
         -r "$REPO/requirements/requirements-dev.txt"
