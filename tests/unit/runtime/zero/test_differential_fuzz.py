@@ -19,7 +19,8 @@ from tests.unit.runtime.zero.fuzz import grammar, oracle
 from tests.unit.runtime.zero.fuzz.known import KNOWN_FAILURES, known_failure
 from tests.unit.runtime.zero.zero_case import fork_disabled
 
-# Two ranks cost 1.1 s an example on CI's two cores; the long runs (--runslow) draw 2,000 (docs/fuzzing.md).
+# Two ranks on CI's two cores: 200 examples took 227 s, 100 take 55 s; the long runs (--runslow) draw 2,000
+# (docs/fuzzing.md).
 CI_EXAMPLES = {1: 100, 2: 100}
 KNOWN_FAILURE_EXAMPLES = 50
 EXAMPLE_TIMEOUT_S = 120
