@@ -4,6 +4,7 @@ DeepSpeed's accumulation hooks])."""
 
 import copy
 
+import pytest
 import torch
 
 from tests.unit.common import run_distributed
@@ -50,6 +51,7 @@ def wrapped_stack_case():
     return subscriptions
 
 
+@pytest.mark.stock_fails  # stock up to 0.19.2: CheckpointError in the stack's non-reentrant recompute
 def test_wrappers_with_no_params_of_their_own_wait_for_no_gradient():
     """The root waits for the four trainable params' gradients and the first block (its input needs no
     grad) for its one; the inner wrapper and the stack, with no params of their own, wait for none."""
