@@ -15,32 +15,56 @@ stock with reentrant checkpointing: the same forward and backward maths, recompu
 The TRL examples keep non-reentrant checkpointing with ``KeepNonReentrantCheckpointing``, which
 refuses to run on stock DeepSpeed; their reference is stock as TRL runs it (``--trl-default``:
 TRL's forced ``use_reentrant=True``), on every release.
+
+Before 0.19.8, stock's blocking gather of several params races on gloo (Note [A blocking gather of
+several params waits for each] in zero3_ac/runtime/zero/partition_parameters.py): GRPO's gather of the
+whole model for generation, at every step, then rarely samples from a half-written weight (seen once
+in CI on 0.18.5: stock's step-1 reward 0.593, where stock and the fork give 0.557 in every other run).
+There the reference runs with ``stage3_allgather_sequential``, stock's own setting that gathers param
+by param, each gather blocking: the same values gathered, so the same logs, without the race.
 """
 
+import json
 import math
 
 import pytest
 
-from tests.integration.test_examples import (STEPS, STOCK_CRASHES, WORLD_SIZE, _output, assert_exited_cleanly,
-                                             assert_trained_with_the_fork, launch)
+from tests.integration.test_examples import (DS_CONFIG, STEPS, STOCK_CRASHES, WORLD_SIZE, _output,
+                                             assert_exited_cleanly, assert_trained_with_the_fork, launch)
+from zero3_ac.runtime.zero.partition_parameters import coalesced_gather_waits_for_last_only
 
 # Fork and stock gather the same values and reduce the same gradients: the runs agree to the last
 # bit in practice; the tolerance leaves room for a reduction order that differs, not for a wrong step.
 RTOL = 1e-5
 ATOL = 1e-6
 STOCK_REFERENCE_REENTRANT = STOCK_CRASHES
+STOCK_GATHER_RACES = coalesced_gather_waits_for_last_only()
+
+
+def stock_reference_config(tmp_path):
+    """The examples' DeepSpeed config, gathering param by param where stock's coalesced gather races."""
+    if not STOCK_GATHER_RACES:
+        return DS_CONFIG
+    with open(DS_CONFIG) as config_file:
+        config = json.load(config_file)
+    config["zero_optimization"]["stage3_allgather_sequential"] = True
+    path = tmp_path / "ds_config_stock_reference.json"
+    path.write_text(json.dumps(config))
+    return str(path)
 
 
 def stock_reference(example, tmp_path, *args, trl=False):
     """The example on stock DeepSpeed (``ZERO3_AC_DISABLE=1``).
 
     Non-reentrant if stock runs it, else reentrant; a TRL example (``trl``) as TRL runs it on stock: reentrant.
+    Its gathers are sequential where stock's coalesced one races (``stock_reference_config``).
     """
     if trl:
         mode, reentrant = ("--trl-default",), True
     else:
         mode, reentrant = ("--use-reentrant",) if STOCK_REFERENCE_REENTRANT else (), STOCK_REFERENCE_REENTRANT
-    result, summaries = launch("accelerate", example, tmp_path / "stock", *args, *mode, ZERO3_AC_DISABLE="1")
+    result, summaries = launch("accelerate", example, tmp_path / "stock", *args, *mode,
+                               ds_config=stock_reference_config(tmp_path), ZERO3_AC_DISABLE="1")
     assert_exited_cleanly(result)
     assert sorted(summaries) == list(range(WORLD_SIZE)), _output(result)
     for rank, summary in summaries.items():
