@@ -3,16 +3,21 @@
     python benchmarks/counters.py              # count, compare with the baseline, exit 1 on a rise over 5%
     python benchmarks/counters.py --update     # count, write the counts as this DeepSpeed version's baseline
     python benchmarks/counters.py --runs 3     # count in 3 fresh processes; they must agree
+    python benchmarks/counters.py --world-size 2   # rank 0's counts at two gloo ranks (baseline key "VERSION@2")
 
 The workload of the CPU peer benchmark (``workload.py``: the tiny Llama, PEFT LoRA r16 on every linear
 layer, HF non-reentrant checkpointing, AdamW, ZeRO-3 with every param partitioned), world size 1 (gloo),
-in a fresh process, the fork unless ``ZERO3_AC_DISABLE=1``. After ``WARMUP_STEPS`` steps (the model walks
+in a fresh process (``--world-size N``: N fresh processes, rank 0's counts; the partition group is then
+more than one rank, so gathers are all-gathers), the fork unless ``ZERO3_AC_DISABLE=1``. After ``WARMUP_STEPS`` steps (the model walks
 cached, the optimizer's state built), one step runs under ``sys.setprofile`` and the next one with
 ``torch.Tensor`` methods wrapped:
 
 - ``python_calls_per_layer``: Python function calls (profile "call" events; a generator's resumption counts)
   in the step, divided by the number of decoder layers; ``zero_python_calls_per_layer``: those of functions
   defined in DeepSpeed or ``zero3_ac``.
+- ``zero_torch_calls_per_layer``: calls of torch functions and ``Tensor`` methods from DeepSpeed's or the fork's
+  code (seen by a ``TorchFunctionMode``; C work such as a ``narrow``, a ``torch.cat`` or a ``record_stream``, which
+  a Python profile does not see), per decoder layer, in a third step;
 - ``hook_registrations``: ``Tensor.register_hook`` and ``Tensor.register_post_accumulate_grad_hook`` calls
   in the step; ``param_hooks``: hooks attached to the params after it (both kinds).
 - ``record_stream``: ``Tensor.record_stream`` calls; ``to_calls``: ``Tensor.to`` calls from Python;
@@ -37,7 +42,7 @@ BASELINE = os.path.join(HERE, "baselines", "counters-cpu.json")
 TOLERANCE = 0.05
 WARMUP_STEPS = 3
 # Counted in DeepSpeed's and the fork's own code: compared whatever the other libraries' versions.
-OWN_COUNTERS = ("zero_python_calls_per_layer", "hook_registrations", "param_hooks", "record_stream", "zero_to_calls")
+OWN_COUNTERS = ("zero_python_calls_per_layer", "zero_torch_calls_per_layer", "hook_registrations", "param_hooks", "record_stream", "zero_to_calls")
 OTHER_LIBRARIES = ("torch", "transformers", "peft")
 OWN_CODE = (os.sep + "deepspeed" + os.sep, os.sep + "zero3_ac" + os.sep)
 
@@ -99,14 +104,32 @@ def count_python_calls(function):
     return counts
 
 
+def count_own_torch_calls(function):
+    """Calls of torch functions and ``Tensor`` methods made by DeepSpeed's or the fork's code while ``function()`` runs."""
+    import torch
+
+    class OwnTorchCalls(torch.overrides.TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if _own(sys._getframe(1).f_code.co_filename):
+                OwnTorchCalls.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with OwnTorchCalls():
+        function()
+    return OwnTorchCalls.calls
+
+
 def param_hooks(model):
     return sum(len(getattr(param, attribute, None) or {}) for param in model.parameters()
                for attribute in ("_backward_hooks", "_post_accumulate_grad_hooks"))
 
 
-def measure():
+def measure(rank=0, world_size=1):
     """The counters of one step, in this process (which must not have initialized torch.distributed)."""
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size),
+                      DS_ACCELERATOR="cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         import socket
@@ -143,7 +166,9 @@ def measure():
         calls, own_calls = count_python_calls(step)
         with MethodCounter() as methods:
             step()
+        own_torch_calls = count_own_torch_calls(step)
         counters = dict(python_calls_per_layer=calls / layers, zero_python_calls_per_layer=own_calls / layers,
+                        zero_torch_calls_per_layer=own_torch_calls / layers,
                         hook_registrations=methods.calls["register_hook"]
                         + methods.calls["register_post_accumulate_grad_hook"],
                         param_hooks=param_hooks(engine.module), record_stream=methods.calls["record_stream"],
@@ -151,24 +176,31 @@ def measure():
         return dict(fork_active=zero3_ac.is_active(), versions=versions(), counters=counters)
     finally:
         torch.distributed.destroy_process_group()
-        address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
-        shm = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_0"
-        if os.path.exists(shm):
-            os.remove(shm)
+        from zero3_ac.utils.spawn import remove_shm_buffers
+        remove_shm_buffers(int(os.environ["MASTER_PORT"]), os.environ["MASTER_ADDR"], rank)
 
 
 def versions():
     return {name: importlib.metadata.version(name) for name in ("deepspeed", *OTHER_LIBRARIES)}
 
 
-def measure_in_fresh_process():
-    """:func:`measure` in a new interpreter (the fork is applied at interpreter start, and counts must not
-    see an earlier model's caches)."""
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure-here"], capture_output=True,
-                          text=True, timeout=300)
-    if done.returncode != 0:
-        raise RuntimeError(f"counting failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def measure_in_fresh_process(world_size=1):
+    """:func:`measure` in new interpreters, one per rank (the fork is applied at interpreter start, and counts
+    must not see an earlier model's caches); rank 0's counts."""
+    from zero3_ac.utils.spawn import MASTER_ADDR, free_port
+    env = {**os.environ, "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(free_port())}
+    ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--measure-here", "--rank", str(rank),
+                               "--world-size", str(world_size)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(world_size)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    for rank, (process, (_, stderr)) in enumerate(zip(ranks, outputs)):
+        if process.returncode != 0:
+            raise RuntimeError(f"counting failed on rank {rank} (exit {process.returncode}):\n{stderr[-3000:]}")
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+def baseline_key(deepspeed_version, world_size):
+    return deepspeed_version if world_size == 1 else f"{deepspeed_version}@{world_size}"
 
 
 def load_baseline():
@@ -202,12 +234,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--update", action="store_true", help="write the counts as this DeepSpeed version's baseline")
     parser.add_argument("--runs", type=int, default=1, help="fresh processes to count in; all must agree")
+    parser.add_argument("--world-size", type=int, default=1, help="gloo ranks; rank 0's counts (default 1)")
     parser.add_argument("--measure-here", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_here:
-        print(json.dumps(measure()))
+        print(json.dumps(measure(args.rank, args.world_size)))
         return 0
-    results = [measure_in_fresh_process() for _ in range(args.runs)]
+    results = [measure_in_fresh_process(args.world_size) for _ in range(args.runs)]
     measured = results[0]
     print(json.dumps(measured, indent=1))
     if any(result["counters"] != measured["counters"] for result in results[1:]):
@@ -215,7 +249,7 @@ def main(argv=None):
         return 1
     if not measured["fork_active"]:
         print("note: stock DeepSpeed (ZERO3_AC_DISABLE=1); the baseline holds the fork's counts")
-    deepspeed_version = measured["versions"]["deepspeed"]
+    deepspeed_version = baseline_key(measured["versions"]["deepspeed"], args.world_size)
     baseline = load_baseline()
     if args.update:
         if not measured["fork_active"]:
@@ -229,7 +263,8 @@ def main(argv=None):
         print(f"baseline for DeepSpeed {deepspeed_version} written to {os.path.relpath(BASELINE)}")
         return 0
     if deepspeed_version not in baseline:
-        print(f"no baseline for DeepSpeed {deepspeed_version}: run python benchmarks/counters.py --update")
+        print(f"no baseline for DeepSpeed {deepspeed_version}: run python benchmarks/counters.py --update"
+              + (f" --world-size {args.world_size}" if args.world_size != 1 else ""))
         return 1
     rises, lines = compare(measured, baseline[deepspeed_version])
     print("\n".join(lines))

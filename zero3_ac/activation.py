@@ -56,6 +56,7 @@ def _patches():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime.zero import borrowed_params
+    from zero3_ac.runtime.zero import coalesced_copy_out
     from zero3_ac.runtime.zero import linear as fork_linear
     from zero3_ac.runtime.zero import partition_parameters as fork_partition_parameters
     from zero3_ac.runtime.zero import partitioned_param_coordinator as fork_coordinator
@@ -79,6 +80,7 @@ def _patches():
         *((module, "print_rank_0", fork_partition_parameters.print_rank_0_checking_flags_first(module.print_rank_0))
           for module in (stock_partition_parameters, stock_stage3)),
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
+        _wrapping(stock_partition_parameters.AllGatherCoalescedHandle, "wait", coalesced_copy_out.wait),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
         _wrapping(DeepSpeedEngine, "_configure_zero_optimizer", fork_engine.configure_zero_optimizer),
