@@ -18,18 +18,35 @@ def _apply_now():
     activation.auto_apply()
 
 
+def _is_package_module(fullname):
+    return fullname == "zero3_ac" or fullname.startswith("zero3_ac.")
+
+
 class ApplyWhenDeepSpeedLoads:
-    """A meta-path finder that wraps the loader of the top-level ``deepspeed`` package.
+    """A meta-path finder that wraps the loader of the top-level ``deepspeed`` package, and of the
+    package's own modules imported before it.
 
     Note: [A find_spec that never imports]
         ``importlib.util.find_spec("deepspeed")`` (how transformers and accelerate check that
         DeepSpeed is installed) asks this finder too, without ever executing the spec it gets. So the
         finder wraps every spec it is asked for, answers with the spec the other finders found, and
         leaves ``sys.meta_path`` only once DeepSpeed has actually been executed.
+
+    Note: [DeepSpeed imported by one of the package's modules]
+        ``zero3_ac.set_gather_units`` (or any module of the package that needs DeepSpeed) used before
+        ``import deepspeed`` imports DeepSpeed from inside that module's own import. Applying the fork
+        right then imports the fork's adapters, and those import the half-executed module: its names
+        are not there yet, the apply fails, and DeepSpeed runs stock. So while one of the package's
+        modules (imported through this finder) is executing, the apply waits until the outermost one
+        has finished.
     """
 
+    def __init__(self):
+        self._executing = 0  # package modules imported through this finder, executing now
+        self._apply_pending = False
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" and not _is_package_module(fullname):
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -39,21 +56,39 @@ class ApplyWhenDeepSpeedLoads:
                 break
         else:
             return None
-        if spec.loader is not None and not getattr(spec.loader, "_zero3_ac_wrapped", False):
-            self._wrap(spec.loader)
+        loader = spec.loader
+        if loader is not None and hasattr(loader, "exec_module") and not getattr(loader, "_zero3_ac_wrapped", False):
+            loader.exec_module = (self._package_module if fullname != "deepspeed" else self._deepspeed)(
+                loader.exec_module)
+            loader._zero3_ac_wrapped = True
         return spec
 
-    def _wrap(self, loader):
-        exec_stock = loader.exec_module
+    def _deepspeed(self, exec_stock):
 
         def exec_module(module):
             exec_stock(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            _apply_now()
+            if self._executing:  # Note [DeepSpeed imported by one of the package's modules]
+                self._apply_pending = True
+            else:
+                _apply_now()
 
-        loader.exec_module = exec_module
-        loader._zero3_ac_wrapped = True
+        return exec_module
+
+    def _package_module(self, exec_stock):
+
+        def exec_module(module):
+            self._executing += 1
+            try:
+                exec_stock(module)
+            finally:
+                self._executing -= 1
+                if self._apply_pending and not self._executing:
+                    self._apply_pending = False
+                    _apply_now()
+
+        return exec_module
 
 
 def install() -> None:

@@ -91,6 +91,16 @@ def test_a_spawned_worker_gets_the_fork_from_the_pth(tmp_path, installed_pth):
     assert _last_line(_python(tmp_path, str(script), DS_ACCELERATOR="cpu")) == "True"
 
 
+# Note [DeepSpeed imported by one of the package's modules] in _zero3_ac_autoload.py: the public name first,
+# then a module of the package that imports DeepSpeed itself, each before ``import deepspeed``.
+@pytest.mark.parametrize("first", ["import zero3_ac; zero3_ac.set_gather_units", "import zero3_ac.utils.timeline"])
+def test_the_fork_applies_when_a_module_of_the_package_imports_deepspeed(tmp_path, installed_pth, first):
+    code = f"{first}\nimport deepspeed, zero3_ac\nprint(zero3_ac.is_active())"
+    result = _python(tmp_path, "-c", code, DS_ACCELERATOR="cpu")
+    assert _last_line(result) == "True", result.stderr
+    assert "could not apply" not in result.stderr
+
+
 @pytest.mark.parametrize("flag", ["--help", "--version"])
 def test_the_cli_answers_help_and_version_without_importing_torch_or_deepspeed(tmp_path, installed_pth, flag):
     result = _python(tmp_path, "-X", "importtime", "-m", "zero3_ac", flag)
