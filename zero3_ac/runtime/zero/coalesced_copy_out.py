@@ -29,6 +29,8 @@ Note: [One copy-out per coalesced all-gather]
 """
 
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle, ZeroParamStatus
 
 
 def rank_major_matrix(partitions):
@@ -74,9 +76,6 @@ def _copy_out_plan(handle):
 def wait(handle, stock, handle_dependency=True):
     """Wraps ``AllGatherCoalescedHandle.wait``: the params come out of the flat buffer in one op
     (Note [One copy-out per coalesced all-gather]); anything else waits as upstream does."""
-    # Imported here: the fork is applied as ``import deepspeed`` ends, and this module may be imported before it.
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.runtime.zero.partition_parameters import AllGatherCoalescedHandle, ZeroParamStatus
     if handle.complete:
         return None
     plan = _copy_out_plan(handle)
