@@ -168,6 +168,8 @@ def setup(args, system, world_size, device_name):
         if system != "deepcompile" and zero3_ac.is_active() != (system == "fork"):
             raise RuntimeError(f"{system} asked for, but zero3_ac.is_active() is {zero3_ac.is_active()}")
         config = zero3_config(args.device, args.mbs, dtype)
+        if getattr(args, "gather_units", None) is not None:
+            config["zero3_ac"] = {"gather_units": args.gather_units}
         if system == "deepcompile":
             config["compile"] = {"deepcompile": True}
         if qlora:

@@ -1,12 +1,15 @@
-"""cProfile of ZeRO-3 LoRA training steps on one GPU: where the host time of a step goes.
+"""cProfile of LoRA training steps on one GPU: where the host time of a step goes, for any peer system.
 
 The peer benchmark's workload (``workload.py``: Llama shape, PEFT LoRA r16 on every linear layer,
-bf16, HF non-reentrant checkpointing, AdamW), one process, world size 1. Stock or fork as the
-environment says (``ZERO3_AC_DISABLE=1`` runs stock). Warms up, times ``--steps`` steps, then
-profiles ``--profiled`` more and writes the top functions by own and cumulative time, and the raw
-stats next to them.
+bf16, HF non-reentrant checkpointing, AdamW), one process, world size 1, set up as the peer benchmark
+sets up ``--system`` (``peer_worker.setup``): plain PyTorch, FSDP2, stock ZeRO-3 or the fork (stock
+needs ``ZERO3_AC_DISABLE=1`` in the environment, as the peer benchmark runs it). Warms up, times
+``--steps`` steps, then profiles ``--profiled`` more and writes the top functions by own and cumulative
+time, a line of calls and own time per library (DeepSpeed, zero3_ac, torch, transformers, peft, built-ins,
+the rest), and the raw stats next to them.
 
     python benchmarks/profile_step.py --out benchmarks/results/<dir> --tag fork
+    python benchmarks/profile_step.py --system fsdp2 --tag fsdp2 --out ...
     python benchmarks/profile_step.py --units off --tag fork-per-module ...   # the fork without gather units
 """
 
@@ -22,11 +25,34 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workload import MODELS, build_model, zero3_config  # noqa: E402
+from peer_worker import FSDP2_SYSTEMS, SYSTEMS, ZERO_SYSTEMS, setup  # noqa: E402
+from workload import MODELS  # noqa: E402
+
+# First match wins: torch last, as its own package (the device image's site-packages is under /opt/torch).
+LIBRARIES = tuple((name, os.sep + name + os.sep) for name in ("deepspeed", "zero3_ac", "transformers", "peft")) + (
+    ("torch", os.sep + "site-packages" + os.sep + "torch" + os.sep),)
+
+
+def library_of(filename):
+    if filename == "~":
+        return "built-in"
+    return next((name for name, part in LIBRARIES if part in filename), "other")
+
+
+def by_library(stats, steps):
+    """``library: calls k / own ms`` per step, built-ins counted apart (attributing them to callers double counts)."""
+    calls, own = {}, {}
+    for (filename, _, _), (_, ncalls, tottime, _, _) in stats.stats.items():
+        library = library_of(filename)
+        calls[library] = calls.get(library, 0) + ncalls
+        own[library] = own.get(library, 0.0) + tottime
+    return ", ".join(f"{name} {calls[name] / steps / 1e3:.1f}k calls / {own[name] / steps * 1e3:.1f} ms"
+                     for name in sorted(calls, key=lambda name: -own[name]))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", choices=SYSTEMS, default="fork")
     parser.add_argument("--model", choices=sorted(MODELS), default="tinyllama")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--mbs", type=int, default=2)
@@ -40,25 +66,23 @@ def main():
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29633")
     warnings.filterwarnings("ignore")
-    import deepspeed
-    from deepspeed.utils import logger
-    import zero3_ac
-    logger.setLevel("ERROR")
-    deepspeed.init_distributed(dist_backend="nccl")
     torch.cuda.set_device(0)
-    config = zero3_config("cuda", args.mbs, torch.bfloat16)
-    if args.units is not None:
-        config["zero3_ac"] = {"gather_units": args.units}
-    model = build_model(args.model, "nonreentrant", False, torch.bfloat16, ds_config=config)
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-4), config=config)
+    if args.system in ZERO_SYSTEMS:
+        import deepspeed
+        from deepspeed.utils import logger
+        logger.setLevel("ERROR")
+        deepspeed.init_distributed(dist_backend="nccl")
+    elif args.system in FSDP2_SYSTEMS:
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    worker_args = argparse.Namespace(device="cuda", mode="lora", ac="nonreentrant", model=args.model, seq=args.seq,
+                                     mbs=args.mbs, qlora_base=None, gather_units=args.units)
+    train_step, _, _, _ = setup(worker_args, args.system, 1, "cuda:0")
     generator = torch.Generator().manual_seed(0)
     vocab = MODELS[args.model]["vocab_size"]
 
     def step():
         ids = torch.randint(0, vocab, (args.mbs, args.seq), generator=generator).cuda()
-        engine.backward(engine(input_ids=ids, labels=ids).loss)
-        engine.step()
+        train_step(ids)
         torch.cuda.synchronize()
 
     for _ in range(3):
@@ -73,9 +97,10 @@ def main():
         step()
     profile.disable()
     text = io.StringIO()
-    text.write(f"{args.tag}: fork active {zero3_ac.is_active()}, gather units {args.units or 'default'}, "
-               f"unprofiled step {step_s:.4f} s, {args.profiled} profiled steps\n\n")
     stats = pstats.Stats(profile, stream=text)
+    text.write(f"{args.tag}: system {args.system}, gather units {args.units or 'default'}, "
+               f"unprofiled step {step_s:.4f} s, {args.profiled} profiled steps\n"
+               f"per step: {by_library(stats, args.profiled)}\n\n")
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(60)
     os.makedirs(args.out, exist_ok=True)

@@ -539,6 +539,7 @@ class ModuleInvocationHooks:
         self._backward_task = None
         self._drain("start of forward", keep_reachable=not aborted)
         self._trainable_by_module.clear()
+        self.params.start_step(self.offload.module)
         if aborted and self.on_aborted_backward is not None:
             self.on_aborted_backward()
         self.accounting.start_step()

@@ -200,7 +200,19 @@ class InvocationParams:
         self._reuse = None  # (the complete trace, the registration count, its TraceReuse, answers per call site)
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
-        self.tap.whole_shards = WholeParamShards(coordinator, _PRIVATE + "n_available_params")
+        self.tap.whole_shards = WholeParamShards(coordinator, _PRIVATE)
+        self._whole_model = False
+        self._upstream_fetch = coordinator.fetch_sub_module
+        coordinator.fetch_sub_module = self._fetch_sub_module
+
+    def start_step(self, root_module) -> None:
+        """At each root forward: how this step's fetches run (Note [A fetch of whole shards])."""
+        self._whole_model = self.tap.whole_shards.covers(model_params(root_module))
+
+    def _fetch_sub_module(self, current_submodule, forward):
+        if self._whole_model:
+            return self.tap.whole_shards.fetch(module_params(current_submodule), forward)
+        return self._upstream_fetch(current_submodule, forward=forward)
 
     def _tap_phase(self) -> str:
         # The hooks set ``phase`` when a forward call or a backward slot opens, so a slot that

@@ -15,6 +15,25 @@ Note: [A shard that is the whole param]
     Left to upstream: partitions on another device than the compute device (param offload, states
     offloaded by ``offload_states``), on NVMe, quantized (``ds_quant_scale``), with an hpZ secondary
     partition, and any partition group of more than one rank.
+
+Note: [A fetch of whole shards]
+    Upstream's ``fetch_sub_module`` does per-param work beyond the gather: a set of the module's
+    params, a status check, a mark and an in-flight lookup for each, and, once the trace is
+    complete, a walk of the prefetch queue past the module's params and a prefetch of the params
+    ahead. The queue and the prefetch exist to start all-gathers early; a whole shard's gather is a
+    view of memory already there, so there is nothing to start early. When every param of the
+    engine's model is on the path above, a module's fetch is the gather of its params (through the
+    coordinator's tapped all-gather, so the listeners hear of it; any other param, an external one
+    from outside the model, goes to upstream's all-gather and is waited for) and the trace position
+    step that ``trace_prologue`` checks the next module against. The queue is then never walked:
+    only fetches walk it, and ``reset_step`` rebuilds it at every root forward. The choice is made
+    for the whole model at each root forward, never per module, since a fetch through upstream's
+    path after one through this would find the queue behind it (upstream's "tracing error"). It is
+    answered once per tree shape; the gather still checks each param's partition at every fetch and
+    hands any param off this path to upstream's all-gather.
+    The mark is not needed: the lifecycle holds what a module fetches by the invocation's id.
+    Left to upstream's fetch: models with any param off this path, and
+    ``fast_sharding_for_leaf_module``, whose fetch and release handle buffers of their own.
 """
 
 import torch
@@ -27,8 +46,9 @@ _WHOLE_ATTR = "_zero3_ac_whole_shard"
 
 
 def _partition_is_whole(param) -> bool:
-    """Static facts: one rank in the param's partition group, no NVMe, no quantization, no hpZ."""
-    partition = param.ds_tensor
+    """Static facts: a ZeRO-3 param (not a plain one of a module attached after ``initialize``), one rank in
+    its partition group, no NVMe, no quantization, no hpZ."""
+    partition = getattr(param, "ds_tensor", None)
     return (partition is not None and param.ds_process_group is not None
             and dist.get_world_size(group=param.ds_process_group) == 1
             and getattr(partition, "final_location", None) != OffloadDeviceEnum.nvme
@@ -38,10 +58,12 @@ def _partition_is_whole(param) -> bool:
 class WholeParamShards:
     """One coordinator's gather and release of params on the path of [A shard that is the whole param]."""
 
-    def __init__(self, coordinator, counter_attr: str):
+    def __init__(self, coordinator, private_prefix: str):
         self._coordinator = coordinator
-        self._counter_attr = counter_attr  # the coordinator's (name-mangled) count of available elements
+        self._private = private_prefix  # of the coordinator's name-mangled attributes
+        self._counter_attr = private_prefix + "n_available_params"
         self._device = torch.device(get_accelerator().current_device_name())
+        self._covered = (None, False)  # (the params last asked about, the answer)
 
     def _whole(self, param) -> bool:
         whole = param.__dict__.get(_WHOLE_ATTR)
@@ -72,3 +94,30 @@ class WholeParamShards:
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - param.ds_numel)
         return True
+
+    def covers(self, params) -> bool:
+        """Whether a model with these params fetches on the path of [A fetch of whole shards]; answered
+        once per list (``model_params`` keeps one per tree shape), not by a walk of the model per step."""
+        if params is not self._covered[0]:
+            self._covered = (params, not self._coordinator.fast_sharding_for_leaf_module and bool(params)
+                             and all(self._whole(param) for param in params))
+        return self._covered[1]
+
+    def fetch(self, params, forward: bool) -> None:
+        """A module's fetch of ``params`` when its model is covered (see [A fetch of whole shards])."""
+        coordinator, private = self._coordinator, self._private
+        getattr(coordinator, private + "all_gather_params")(params, forward)
+        inflight = getattr(coordinator, private + "inflight_param_registry")
+        if inflight:
+            accelerator = get_accelerator()
+            stream = getattr(coordinator, private + "allgather_stream")
+            waited = False
+            for param in params:
+                if param in inflight:
+                    with accelerator.stream(stream):
+                        inflight.pop(param).wait()
+                    waited = True
+            if waited and not accelerator.resolves_data_dependency():
+                accelerator.current_stream().wait_stream(stream)
+        step_attr = private + "step_id"
+        setattr(coordinator, step_attr, getattr(coordinator, step_attr) + 1)
