@@ -29,6 +29,7 @@ _TAP_ATTR = "_zero3_ac_tap"
 
 _PARAMS_CACHE_ATTR = "_zero3_ac_params"
 _MODEL_PARAMS_CACHE_ATTR = "_zero3_ac_model_params"
+_ZERO_MODEL_PARAMS_CACHE_ATTR = "_zero3_ac_zero_model_params"
 
 
 def _externals(module):
@@ -58,6 +59,14 @@ def model_params(module):
     """Every param of ``module``'s tree and its external ones, upstream's ``iter_params(module,
     recurse=True)``, walked once per tree shape (Note [Module trees that change shape])."""
     return module_tree.cached_walk(module, _MODEL_PARAMS_CACHE_ATTR, lambda root: iter_params(root, recurse=True),
+                                   extra_key=_externals(module))
+
+
+def zero_model_params(module):
+    """The ZeRO-3 params among :func:`model_params` (not the plain ones of a module attached after
+    ``initialize``), filtered once per tree shape."""
+    return module_tree.cached_walk(module, _ZERO_MODEL_PARAMS_CACHE_ATTR,
+                                   lambda root: [param for param in model_params(root) if is_zero_param(param)],
                                    extra_key=_externals(module))
 
 
@@ -332,8 +341,8 @@ class InvocationParams:
         """Release every gathered param that nothing holds (persistent and external ones excepted);
         returns how many."""
         released = 0
-        for param in model_params(root_module):
-            if (is_zero_param(param) and param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
+        for param in zero_model_params(root_module):
+            if (param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist
                     and not param.is_external_param and not param.ds_active_sub_modules):
                 self._release_through_coordinator(param)
                 released += 1

@@ -72,11 +72,14 @@ class WholeParamShards:
         return whole and param.ds_tensor.device == self._device
 
     def gather(self, params):
-        """Gather the params on this path; returns the others, for upstream's all-gather."""
+        """Gather the params on this path; returns the other partitioned ones, for upstream's all-gather (which
+        passes over a param that is available or in flight)."""
         rest = []
         elements = 0
         for param in params:
-            if param.ds_status == ZeroParamStatus.NOT_AVAILABLE and self._whole(param):
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+                continue
+            if self._whole(param):
                 param.data = param.ds_tensor.data.view(param.ds_shape)
                 param.ds_status = ZeroParamStatus.AVAILABLE
                 elements += param.ds_numel
