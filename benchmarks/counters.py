@@ -30,7 +30,9 @@ the baseline was taken with, only the counters of DeepSpeed's and the fork's own
 """
 
 import argparse
+import filecmp
 import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -38,6 +40,7 @@ import sys
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKOUT_PACKAGE = os.path.join(os.path.dirname(HERE), "zero3_ac")
 BASELINE = os.path.join(HERE, "baselines", "counters-cpu.json")
 TOLERANCE = 0.05
 WARMUP_STEPS = 3
@@ -199,6 +202,23 @@ def measure_in_fresh_process(world_size=1):
     return json.loads(outputs[0][0].strip().splitlines()[-1])
 
 
+def stale_files(installed, checkout=CHECKOUT_PACKAGE):
+    """The checkout's ``zero3_ac`` sources that the package in ``installed`` lacks or has otherwise: a venv set up
+    before an edit. This script's processes import the installed package (the script's folder, not the checkout,
+    is first on ``sys.path``), so their counts would be the older code's."""
+    if not os.path.isdir(checkout) or os.path.realpath(installed) == os.path.realpath(checkout):
+        return []
+    stale = []
+    for folder, _, names in os.walk(checkout):
+        for name in names:
+            if name.endswith(".py"):
+                relative = os.path.relpath(os.path.join(folder, name), checkout)
+                copy = os.path.join(installed, relative)
+                if not os.path.exists(copy) or not filecmp.cmp(os.path.join(checkout, relative), copy, shallow=False):
+                    stale.append(relative)
+    return sorted(stale)
+
+
 def baseline_key(deepspeed_version, world_size):
     return deepspeed_version if world_size == 1 else f"{deepspeed_version}@{world_size}"
 
@@ -241,6 +261,13 @@ def main(argv=None):
     if args.measure_here:
         print(json.dumps(measure(args.rank, args.world_size)))
         return 0
+    installed = os.path.dirname(importlib.util.find_spec("zero3_ac").origin)
+    stale = stale_files(installed)
+    if stale:
+        print(f"the zero3_ac these counts would come from ({installed}) is not this checkout's: {', '.join(stale[:5])}"
+              f"{' and more' if len(stale) > 5 else ''} differ. Install the checkout into this venv first "
+              "(bash scripts/setup_env.sh DEEPSPEED_VERSION)")
+        return 2
     results = [measure_in_fresh_process(args.world_size) for _ in range(args.runs)]
     measured = results[0]
     print(json.dumps(measured, indent=1))

@@ -30,3 +30,23 @@ def test_step_counters_stay_within_5_percent_of_the_baseline(world_size):
         f"{done.stdout}\n{done.stderr[-3000:]}\nA counter rose more than 5% over "
         "benchmarks/baselines/counters-cpu.json (or there is no baseline for this DeepSpeed version). If the rise "
         "is intended, run `python benchmarks/counters.py --update --world-size N` in this venv and commit the baseline.")
+
+
+def test_a_venv_installed_before_an_edit_is_refused(tmp_path):
+    """The counters' processes import the venv's zero3_ac: one that is not the checkout's would count older code."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        from counters import stale_files
+    finally:
+        sys.path.pop(0)
+    checkout, installed = tmp_path / "checkout", tmp_path / "installed"
+    for root in (checkout, installed):
+        (root / "runtime").mkdir(parents=True)
+        (root / "__init__.py").write_text("")
+        (root / "runtime" / "hooks.py").write_text("HOT = 1\n")
+    assert stale_files(str(installed), str(checkout)) == []
+    assert stale_files(str(checkout), str(checkout)) == []
+    (checkout / "runtime" / "hooks.py").write_text("HOT = 2\n")
+    (checkout / "runtime" / "units.py").write_text("")
+    assert stale_files(str(installed), str(checkout)) == [os.path.join("runtime", "hooks.py"),
+                                                          os.path.join("runtime", "units.py")]
