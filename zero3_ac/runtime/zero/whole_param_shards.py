@@ -60,8 +60,12 @@ class WholeParamShards:
 
     def __init__(self, coordinator, private_prefix: str):
         self._coordinator = coordinator
-        self._private = private_prefix  # of the coordinator's name-mangled attributes
+        # The coordinator's name-mangled attributes, named once (a fetch reads them for every module).
         self._counter_attr = private_prefix + "n_available_params"
+        self._all_gather_attr = private_prefix + "all_gather_params"
+        self._inflight_attr = private_prefix + "inflight_param_registry"
+        self._stream_attr = private_prefix + "allgather_stream"
+        self._step_attr = private_prefix + "step_id"
         self._device = torch.device(get_accelerator().current_device_name())
         self._covered = (None, False)  # (the params last asked about, the answer)
 
@@ -108,12 +112,12 @@ class WholeParamShards:
 
     def fetch(self, params, forward: bool) -> None:
         """A module's fetch of ``params`` when its model is covered (see [A fetch of whole shards])."""
-        coordinator, private = self._coordinator, self._private
-        getattr(coordinator, private + "all_gather_params")(params, forward)
-        inflight = getattr(coordinator, private + "inflight_param_registry")
+        coordinator = self._coordinator
+        getattr(coordinator, self._all_gather_attr)(params, forward)
+        inflight = getattr(coordinator, self._inflight_attr)
         if inflight:
             accelerator = get_accelerator()
-            stream = getattr(coordinator, private + "allgather_stream")
+            stream = getattr(coordinator, self._stream_attr)
             waited = False
             for param in params:
                 if param in inflight:
@@ -122,5 +126,4 @@ class WholeParamShards:
                     waited = True
             if waited and not accelerator.resolves_data_dependency():
                 accelerator.current_stream().wait_stream(stream)
-        step_attr = private + "step_id"
-        setattr(coordinator, step_attr, getattr(coordinator, step_attr) + 1)
+        setattr(coordinator, self._step_attr, getattr(coordinator, self._step_attr) + 1)
