@@ -32,6 +32,7 @@ from deepspeed.runtime.zero import parameter_offload as upstream
 from deepspeed.runtime.zero import partition_parameters
 
 from zero3_ac.runtime.zero import autograd_context
+from zero3_ac.runtime.zero.zero_ordered_dict import LifecycleParameters
 
 _OUTSIDE_A_REGION = object()  # a read outside any recognised checkpoint region's forward
 _reads_of_module = weakref.WeakKeyDictionary()  # module -> the BorrowReads of the engine that registered it
@@ -75,7 +76,7 @@ def scope_is_over(param, frames) -> bool:
     return True
 
 
-class _ReadReportingParameters(upstream.ZeROOrderedDict):
+class _ReadReportingParameters(LifecycleParameters):
     """An owner's parameter dict that reports reads made from outside the owner's forward."""
 
     def __getitem__(self, key):
@@ -92,7 +93,7 @@ class _ReadReportingParameters(upstream.ZeROOrderedDict):
 def report_reads_of(owner) -> None:
     """Make ``owner``'s parameter dict report reads from outside ``owner`` (idempotent)."""
     params = owner._parameters
-    if type(params) is upstream.ZeROOrderedDict:
+    if type(params) in (upstream.ZeROOrderedDict, LifecycleParameters):
         params.__class__ = _ReadReportingParameters
 
 

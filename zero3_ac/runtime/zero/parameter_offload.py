@@ -63,6 +63,7 @@ from zero3_ac.runtime.zero import autograd_context
 from zero3_ac.runtime.zero.borrowed_params import BorrowReads, report_reads_of, scope_is_over
 from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
 from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
+from zero3_ac.runtime.zero.zero_ordered_dict import use_lifecycle_getter
 from zero3_ac.utils.z3_leaf_module import mark_gather_units, user_leaves_at
 
 LIFECYCLE_ATTR = "_zero3_ac_hooks"
@@ -251,6 +252,8 @@ class ModuleInvocationHooks:
         registered = {id(handle) for handle in self.offload.backward_hooks}
         self._grad_hooks = {param: handle for param, handle in self._grad_hooks.items() if id(handle) in registered}
         mark_gather_units(root, self.offload._max_available_parameters_in_numel)
+        for module in root.modules():  # a leaf's (a gather unit's) modules too
+            use_lifecycle_getter(module)
         self._params_under.clear()
         ids = itertools.count()
         stack = [root]
