@@ -8,16 +8,25 @@ Note: [The current stream of no device in particular]
     and with a device it still runs ``_lazy_init`` and ``_get_device_index``, about ten Python calls in
     all. Once CUDA is initialized, the stream is read the way ``torch.cuda.current_stream`` reads it
     (``torch._C._cuda_getCurrentStream`` of the current device, ``torch._C._cuda_getDevice``) and
-    wrapped in the same ``torch.cuda.Stream`` (``benchmarks/cuda_stream_cost.py``). Before CUDA is
-    initialized, and for a device named by the caller, torch's own function answers.
+    wrapped in a ``torch.cuda.Stream`` of the same stream; the wrapper of a stream seen before is
+    returned again, as building one is most of the call's cost (``benchmarks/cuda_stream_cost.py``).
+    Before CUDA is initialized, and for a device named by the caller, torch's own function answers.
 """
 
 import torch
+
+_MAX_STREAMS = 64  # wrappers kept; torch takes its streams from small pools, so few are ever seen
+_streams = {}  # (stream id, device index, device type) -> the torch.cuda.Stream of that stream
 
 
 def current_stream(accelerator, device_index=None):
     """Replacement of ``CUDA_Accelerator.current_stream``: ``None`` means the current device."""
     if device_index is None and torch.cuda.is_initialized():
-        stream_id, index, device_type = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
-        return torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=device_type)
+        key = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
+        stream = _streams.get(key)
+        if stream is None:
+            if len(_streams) >= _MAX_STREAMS:
+                _streams.clear()
+            stream = _streams[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+        return stream
     return torch.cuda.current_stream(device_index)

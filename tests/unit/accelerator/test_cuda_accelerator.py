@@ -18,6 +18,16 @@ def test_no_device_names_the_current_stream_of_the_current_device():
     assert current_stream(None) == torch.cuda.current_stream() != side
 
 
+def test_a_stream_seen_before_is_answered_with_its_wrapper_and_a_new_one_with_its_own():
+    first = current_stream(None)
+    assert current_stream(None) is first
+    for _ in range(3):
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert current_stream(None) == side and current_stream(None) is current_stream(None)
+    assert current_stream(None) is first == torch.cuda.current_stream()
+
+
 def test_the_installed_accelerator_uses_it_once_the_fork_runs_a_zero3_engine():
     import zero3_ac
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
