@@ -215,10 +215,13 @@ class InvocationLifecycle:
     def hold(self, inv: Invocation, params: Iterable[Hashable]) -> None:
         if inv.state is State.CLOSED:
             raise ValueError(f"{inv} is closed and cannot hold params")
-        for param in params:
-            inv.holds.add(param)
-            self._holder_set(param).add(inv.id)
-            self._held.add(param)
+        if not isinstance(params, (list, tuple)):
+            params = list(params)
+        inv.holds.update(params)
+        self._held.update(params)
+        inv_id = inv.id
+        for holders in map(self._holder_set, params):
+            holders.add(inv_id)
 
     def close_forward(self, inv: Invocation, own_slot: Optional[Invocation] = None) -> List[Hashable]:
         """A forward post-hook fired. ``own_slot`` is the slot this call created (if any).
@@ -415,9 +418,10 @@ class InvocationLifecycle:
         del self._live[inv.id]
 
     def _drop_holds(self, inv: Invocation) -> List[Hashable]:
-        freed = [param for param in inv.holds if self._unhold(inv.id, param)]
-        for param in inv.holds:
-            self._handoffs.pop((inv.id, param), None)
+        freed = self._unhold_all(inv.id, inv.holds)
+        if self._handoffs:
+            for param in inv.holds:
+                self._handoffs.pop((inv.id, param), None)
         inv.holds = set()
         return freed
 
@@ -443,14 +447,19 @@ class InvocationLifecycle:
 
     def _unhold(self, inv_id: int, param: Hashable) -> bool:
         """Remove one hold; True if the param has no holder left."""
-        if param not in self._held:
-            return False
-        holders = self._holder_set(param)
-        holders.discard(inv_id)
-        if holders:
-            return False
-        self._held.discard(param)
-        return True
+        return bool(self._unhold_all(inv_id, (param, )))
+
+    def _unhold_all(self, inv_id: int, params: Iterable[Hashable]) -> List[Hashable]:
+        """Remove the invocation's hold of each param; returns those with no holder left."""
+        held, holder_set, freed = self._held, self._holder_set, []
+        for param in params:
+            if param in held:
+                holders = holder_set(param)
+                holders.discard(inv_id)
+                if not holders:
+                    held.discard(param)
+                    freed.append(param)
+        return freed
 
     def _handoff_only_params(self) -> Set[Hashable]:
         params = set()

@@ -391,12 +391,20 @@ class ModuleInvocationHooks:
         #     before that Function, which carry no hook. A slot wraps a call's outputs the same way
         #     (``_OpenSlotOnGrad``), so the root keeps its slot whatever it holds. (0.19.3+ scales
         #     once, for the graph ``engine.backward`` registers.)
-        if not module_params(module) and module is not self.offload.module:
+        #
+        # The root's slot that holds nothing (a PeftModel's) waits for no gradient either: waiting would
+        # look at every trainable param of the model when the slot opens and at each one's gradient, to
+        # close a slot that frees nothing. It closes at the end of its backward, with the drain.
+        holds_nothing = not module_params(module)
+        if holds_nothing and module is not self.offload.module:
             return None
         trainable = self._trainable_under(module)
         if not trainable:
             return None
         slot = self.lifecycle.new_slot(module)
+        if holds_nothing:
+            slot.context = _SlotContext()
+            return slot
         slot.context = _SlotContext(awaited_params=trainable)
         for param in trainable:
             self._slots_awaiting_grad.setdefault(param, []).append(slot)

@@ -24,6 +24,7 @@ import collections
 import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import z3_leaf_parameter
+from torch._utils import _unflatten_dense_tensors
 
 from zero3_ac.runtime.zero.invocation_lifecycle import GradientBatch
 from zero3_ac.utils import module_tree
@@ -139,8 +140,8 @@ class UnitGradients:
         if not accelerator.resolves_data_dependency():
             optimizer.reduce_and_partition_stream.wait_stream(accelerator.current_stream())
         with accelerator.stream(optimizer.reduce_and_partition_stream):
-            flat = bucket.buffer.narrow(0, bucket.elements, elements)
-            views = [view.view(grad.shape) for view, grad in zip(flat.split([grad.numel() for grad in grads]), grads)]
+            # Views of the bucket's buffer shaped as the gradients, made in one call.
+            views = _unflatten_dense_tensors(bucket.buffer.narrow(0, bucket.elements, elements), grads)
             torch._foreach_copy_(views, grads, non_blocking=True)
             if not accelerator.is_synchronized_device():
                 reduce_stream = accelerator.current_stream()

@@ -53,11 +53,12 @@ def wrapped_stack_case():
 
 @pytest.mark.stock_fails  # stock up to 0.19.2: CheckpointError in the stack's non-reentrant recompute
 def test_wrappers_with_no_params_of_their_own_wait_for_no_gradient():
-    """The root waits for the four trainable params' gradients and the first block (its input needs no
-    grad) for its one; the inner wrapper and the stack, with no params of their own, wait for none."""
+    """The first block (its input needs no grad) waits for its one trainable param's gradient; the root,
+    the inner wrapper and the stack, with no params of their own, wait for none (the root keeps a slot,
+    which the drain at the end of its backward closes)."""
     subscriptions = run_distributed(1, wrapped_stack_case)[0]
     if not fork_disabled():
-        assert subscriptions == [5, 5], subscriptions
+        assert subscriptions == [1, 1], subscriptions
 
 
 class LossAndLogits(torch.nn.Module):
