@@ -11,6 +11,15 @@ the rest), and the raw stats next to them.
     python benchmarks/profile_step.py --out benchmarks/results/<dir> --tag fork
     python benchmarks/profile_step.py --system fsdp2 --tag fsdp2 --out ...
     python benchmarks/profile_step.py --units off --tag fork-per-module ...   # the fork without gather units
+    python benchmarks/profile_step.py --sampler pyinstrument --tag fork ...   # wall time by sampling (see below)
+
+cProfile counts every call exactly but charges each Python frame its own overhead, so cheap frames look
+expensive (a ``Tensor.__hash__`` costs some 40 ns unprofiled, several times that profiled). ``--sampler
+pyinstrument`` (needs the pyinstrument package; on the device machine carry its wheel) samples the stack every
+``--interval`` seconds instead: the ``sample-TAG.txt`` table gives, per step, the wall time of each DeepSpeed or
+zero3_ac function (inclusive, and the part spent outside any deeper DeepSpeed or zero3_ac frame, torch and built-in
+calls included), and the time each library's code was entered from outside it; and the wall time of every function as the innermost
+frame. The sampled steps run with autograd's multithreading off (see ``sample``).
 """
 
 import argparse
@@ -59,6 +68,8 @@ def main():
     parser.add_argument("--units", default=None, help='the fork\'s "zero3_ac": {"gather_units": ...}; default: not set')
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profiled", type=int, default=3)
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument"), default="cprofile")
+    parser.add_argument("--interval", type=float, default=0.0005, help="pyinstrument's sampling interval, seconds")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -91,6 +102,8 @@ def main():
     for _ in range(args.steps):
         step()
     step_s = (time.perf_counter() - start) / args.steps
+    if args.sampler == "pyinstrument":
+        return sample(args, step, step_s)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.profiled):
@@ -109,6 +122,70 @@ def main():
         handle.write(text.getvalue())
     profile.dump_stats(path + ".prof")
     print(f"{args.tag}: step {step_s:.4f} s; profile in {path}")
+
+
+def _own_library(identifier):
+    """``deepspeed`` or ``zero3_ac`` for a pyinstrument frame identifier in their code, else None."""
+    path = identifier.split("\x00")[1] if "\x00" in identifier else ""
+    return next((name for name in ("deepspeed", "zero3_ac") if os.sep + name + os.sep in path), None)
+
+
+def sampled_times(frame_records, steps):
+    """(inclusive, outside-deeper-own, entered-from-outside, innermost) wall ms per step, from pyinstrument's
+    records; the first two for DeepSpeed's and zero3_ac's functions, the last for every function."""
+    inclusive, outside, entered, innermost_ms = {}, {}, {}, {}
+    for stack, seconds in frame_records:
+        ms = seconds * 1e3 / steps
+        if stack:
+            frame = stack[-1].split("\x01")[0]
+            innermost_ms[frame] = innermost_ms.get(frame, 0.0) + ms
+        own = [(index, identifier) for index, identifier in enumerate(stack) if _own_library(identifier)]
+        for name in {identifier.split("\x01")[0] for _, identifier in own}:
+            inclusive[name] = inclusive.get(name, 0.0) + ms
+        if own:
+            innermost = own[-1][1].split("\x01")[0]
+            outside[innermost] = outside.get(innermost, 0.0) + ms
+            outer = _own_library(own[0][1])
+            entered[outer] = entered.get(outer, 0.0) + ms
+    return inclusive, outside, entered, innermost_ms
+
+
+def sample(args, step, step_s):
+    """Note: autograd runs a CUDA backward on a device thread of its own, which a sampler of this thread
+    does not see; with its multithreading off the backward (its hooks included) runs here, in the same order."""
+    from pyinstrument import Profiler
+    torch.autograd.set_multithreading_enabled(False)
+    for _ in range(2):
+        step()
+    profiler = Profiler(interval=args.interval)
+    profiler.start()
+    start = time.perf_counter()
+    for _ in range(args.profiled):
+        step()
+    sampled_s = (time.perf_counter() - start) / args.profiled
+    session = profiler.stop()
+    inclusive, outside, entered, innermost_ms = sampled_times(session.frame_records, args.profiled)
+
+    def name(identifier):
+        function, path, line = identifier.split("\x00")[:3]
+        return f"{path.split(os.sep + 'site-packages' + os.sep)[-1]}:{line}({function})"
+
+    lines = [f"{args.tag}: system {args.system}, unprofiled step {step_s:.4f} s, sampled step {sampled_s:.4f} s "
+             f"({args.profiled} steps, interval {args.interval} s)",
+             "entered from outside, ms per step: " + ", ".join(f"{lib} {ms:.1f}" for lib, ms in entered.items()),
+             "", "    incl ms   outside ms  function (DeepSpeed and zero3_ac, by inclusive wall time per step)"]
+    for identifier in sorted(inclusive, key=lambda key: -inclusive[key])[:120]:
+        lines.append(f"{inclusive[identifier]:10.2f} {outside.get(identifier, 0.0):12.2f}  {name(identifier)}")
+    lines += ["", "    self ms  function (any library, by time as the innermost frame per step)"]
+    for identifier in sorted(innermost_ms, key=lambda key: -innermost_ms[key])[:80]:
+        lines.append(f"{innermost_ms[identifier]:10.2f}  {name(identifier)}")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"sample-{args.tag}.txt")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, f"sample-{args.tag}.txt.tree"), "w") as handle:
+        handle.write(profiler.output_text(unicode=False, color=False))
+    print(f"{args.tag}: step {step_s:.4f} s, sampled {sampled_s:.4f} s; table in {path}")
 
 
 if __name__ == "__main__":
