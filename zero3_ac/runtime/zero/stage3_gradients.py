@@ -58,6 +58,8 @@ runs upstream's methods unchanged.
 import contextlib
 
 import torch
+from deepspeed import comm as dist
+from deepspeed.accelerator import get_accelerator
 
 from zero3_ac.runtime.zero import stage3_unit_gradients
 from zero3_ac.runtime.zero.stock_engines import left_to_stock
@@ -65,6 +67,7 @@ from zero3_ac.runtime.zero.stock_engines import left_to_stock
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 _WINDOW = "_zero3_ac_window_grad_partitions"
 _REDUCED = "_zero3_ac_reduced_this_backward"
+_HOLDS_DATA = "_zero3_ac_partition_holds_data"  # ds_id -> whether this rank's gradient partition has elements
 _BUCKETED = stage3_unit_gradients.BUCKETED
 
 
@@ -146,11 +149,64 @@ def partition_grads(optimizer, stock, params_to_release, grad_partitions):
             partitions[param.ds_id].zero_()
         return stock(optimizer, params_to_release, grad_partitions)
     if not again:
-        return stock(optimizer, params_to_release, grad_partitions)
-    buffers = list(stock(optimizer, [param for param, _ in fresh], [grad for _, grad in fresh]) or [])
+        return _copy_into_partitions(optimizer, stock, params_to_release, grad_partitions)
+    buffers = list(_copy_into_partitions(optimizer, stock, [param for param, _ in fresh], [grad for _, grad in fresh]))
     with _accumulating(optimizer):
         buffers += stock(optimizer, [param for param, _ in again], [grad for _, grad in again]) or []
     return buffers
+
+
+def _copy_into_partitions(optimizer, stock, params, grad_partitions):
+    """Upstream's ``partition_grads`` at micro-step 0 without optimizer offload, with one copy for all
+    the partitions instead of a ``copy_`` and a no-op ``.to`` per param.
+
+    Every release from 0.18.5 to 0.19.8 does this per param there: a param whose partition on this rank
+    holds no element (``partition_numel() * partition rank >= ds_numel``) only loses its gradient;
+    the others (0.19.5+: recorded in ``_offload_boundary_param_ids``) have the reduced gradient copied
+    into their partition of the flat gradient buffer, which the returned list holds narrowed, and
+    their gradient recorded on the current stream and dropped. Offload goes to upstream's.
+    """
+    if optimizer.offload_optimizer:
+        return stock(optimizer, params, grad_partitions) or []
+    partitions = getattr(optimizer, _GRAD_PARTITIONS)
+    active = getattr(optimizer, "_offload_boundary_param_ids", None)
+    holds_data = _partition_holds_data(optimizer)
+    buffers, sources, reduced = [], [], []
+    for param, grad in zip(params, grad_partitions):
+        if not holds_data(param):
+            param.grad = None
+            continue
+        if active is not None:
+            active.add(param.ds_id)
+        buffers.append(partitions[param.ds_id].narrow(0, 0, grad.numel()))
+        sources.append(grad)
+        reduced.append(param)
+    if buffers:
+        torch._foreach_copy_(buffers, sources, non_blocking=True)
+    accelerator = get_accelerator()
+    stream = None if accelerator.is_synchronized_device() else accelerator.current_stream()
+    for param in reduced:
+        if stream is not None and param.grad is not None:
+            param.grad.record_stream(stream)
+        param.grad = None
+    return buffers
+
+
+def _partition_holds_data(optimizer):
+    """Whether a param's gradient partition on this rank holds an element: fixed per param, asked once."""
+    known = optimizer.__dict__.get(_HOLDS_DATA)
+    if known is None:
+        known = optimizer.__dict__[_HOLDS_DATA] = {}
+    rank_of = getattr(optimizer, "_get_param_partition_rank", None)  # 0.19.3+; before, the data-parallel rank
+
+    def holds_data(param):
+        answer = known.get(param.ds_id)
+        if answer is None:
+            rank = rank_of(param) if rank_of is not None else dist.get_rank(optimizer.dp_process_group)
+            answer = known[param.ds_id] = param.partition_numel() * rank < param.ds_numel
+        return answer
+
+    return holds_data
 
 
 def independent_gradient_partition_epilogue(optimizer, stock):
@@ -178,7 +234,6 @@ def _offload_unreduced(optimizer, reduced) -> None:
     """Upstream copies a partition to the offloaded optimizer only when the partition is reduced in
     the boundary micro-batch; the others keep an older window's gradient there. Reducing a zero
     gradient for them goes through upstream's own copy (and its norm and NVMe swap)."""
-    from deepspeed.accelerator import get_accelerator
     partitions = getattr(optimizer, _GRAD_PARTITIONS)
     missing = [param for group in optimizer.fp16_groups for param in group
                if param.ds_id in partitions and param.ds_id not in reduced]
