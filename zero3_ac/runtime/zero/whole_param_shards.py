@@ -12,6 +12,10 @@ Note: [A shard that is the whole param]
     the partition's memory stays where it is, so no stream can be using memory that the release
     hands back. Here a param on that path gets the view and the status directly, and its release
     drops the view, with the coordinator's count of available elements kept as upstream keeps it.
+    A released param holds a zero-element tensor, as upstream's, but one shared by every released
+    param of its dtype rather than one made per release: ``param.data = t`` shares ``t``'s storage
+    but keeps the param's own shape and version counter, and a zero-element storage holds nothing
+    that a later gather could find.
     Left to upstream: partitions on another device than the compute device (param offload, states
     offloaded by ``offload_states``), on NVMe, quantized (``ds_quant_scale``), with an hpZ secondary
     partition, and any partition group of more than one rank.
@@ -67,6 +71,7 @@ class WholeParamShards:
         self._stream_attr = private_prefix + "allgather_stream"
         self._step_attr = private_prefix + "step_id"
         self._device = torch.device(get_accelerator().current_device_name())
+        self._released_data = {}  # dtype -> the zero-element tensor every released param of that dtype holds
         self._covered = (None, False)  # (the params last asked about, the answer)
 
     def _whole(self, param) -> bool:
@@ -97,7 +102,10 @@ class WholeParamShards:
         """Release a gathered, unheld param on this path; False if it is not on it (upstream releases it)."""
         if not self._whole(param):
             return False
-        param.data = torch.empty(0, dtype=param.dtype, device=param.ds_tensor.device)
+        released = self._released_data.get(param.dtype)
+        if released is None:
+            released = self._released_data[param.dtype] = torch.empty(0, dtype=param.dtype, device=self._device)
+        param.data = released
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - param.ds_numel)
         return True
