@@ -9,11 +9,15 @@ median of those ratios over every cycle of every round, and a 95% percentile boo
 median (10,000 resamples of the cycles, seed 0; ``scipy.stats.bootstrap`` where scipy is installed, else
 numpy). The A/A pair (a system against a second copy of itself, in its own processes) passes when its
 interval lies inside [0.97, 1.03]: then a difference of 3% or more between two systems is no accident of
-process placement or drift.
+process placement or drift. An A/A pair that fails also gets an estimate of the cycles after which its
+interval would lie inside the band, were the spread of its paired ratios the same: the interval narrows as one
+over the square root of the cycles, around the same median. There is no estimate where the median itself lies
+outside the band.
 """
 
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -123,8 +127,21 @@ def pairs_summary(rows, reference):
                 entry.update(ratio=statistics.median(ratios), low=low, high=high)
                 if entry["aa"]:
                     entry["aa_pass"] = AA_BAND[0] <= low and high <= AA_BAND[1]
+                    entry["aa_cycles_for_band"] = cycles_for_band(entry)
             summary.append(entry)
     return summary
+
+
+def cycles_for_band(entry):
+    """The cycles after which an A/A interval would lie inside the band at this pair's spread (see [Paired
+    ratio]); None where the median lies outside the band."""
+    ratio, low, high = entry["ratio"], entry["low"], entry["high"]
+    if not AA_BAND[0] < ratio < AA_BAND[1]:
+        return None
+    # The interval may shrink by at most this factor on each side.
+    shrink = min((ratio - AA_BAND[0]) / (ratio - low) if ratio > low else math.inf,
+                 (AA_BAND[1] - ratio) / (high - ratio) if high > ratio else math.inf)
+    return entry["pairs"] if shrink >= 1 else math.ceil(entry["pairs"] / shrink ** 2)
 
 
 def _config_text(entry):
@@ -161,8 +178,17 @@ def aa_verdicts(pairs):
     return [f"A/A {_config_text(entry)} {entry['first']} / {entry['second']}: "
             + (f"{entry['ratio']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}] "
                f"{'inside' if entry['aa_pass'] else 'NOT inside'} [{AA_BAND[0]}, {AA_BAND[1]}]"
-               if "ratio" in entry else "no pair without error")
+               + _cycles_text(entry) if "ratio" in entry else "no pair without error")
             for entry in pairs if entry["aa"]]
+
+
+def _cycles_text(entry):
+    if entry["aa_pass"]:
+        return ""
+    cycles = entry["aa_cycles_for_band"]
+    if cycles is None:
+        return "; the median itself lies outside the band"
+    return f"; it would take about {cycles} cycles at this spread ({entry['pairs']} ran)"
 
 
 def readme(document, systems, pairs):

@@ -59,6 +59,35 @@ def by_library(stats, steps):
                      for name in sorted(calls, key=lambda name: -own[name]))
 
 
+def one_gpu_step(system, model, seq=2048, mbs=2, units=None, seed=0):
+    """A synchronized LoRA training step of ``system`` on GPU 0, world size 1, set up as the peer benchmark
+    sets it up (``peer_worker.setup``), each call on a fresh random batch."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29633")
+    warnings.filterwarnings("ignore")
+    torch.cuda.set_device(0)
+    if system in ZERO_SYSTEMS:
+        import deepspeed
+        from deepspeed.utils import logger
+        logger.setLevel("ERROR")
+        deepspeed.init_distributed(dist_backend="nccl")
+    elif system in FSDP2_SYSTEMS:
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    worker_args = argparse.Namespace(device="cuda", mode="lora", ac="nonreentrant", model=model, seq=seq,
+                                     mbs=mbs, qlora_base=None, gather_units=units)
+    train_step, _, _, _ = setup(worker_args, system, 1, "cuda:0")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = MODELS[model]["vocab_size"]
+
+    def step():
+        ids = torch.randint(0, vocab, (mbs, seq), generator=generator).cuda()
+        train_step(ids)
+        torch.cuda.synchronize()
+
+    return step
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system", choices=SYSTEMS, default="fork")
@@ -73,29 +102,7 @@ def main():
     parser.add_argument("--tag", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29633")
-    warnings.filterwarnings("ignore")
-    torch.cuda.set_device(0)
-    if args.system in ZERO_SYSTEMS:
-        import deepspeed
-        from deepspeed.utils import logger
-        logger.setLevel("ERROR")
-        deepspeed.init_distributed(dist_backend="nccl")
-    elif args.system in FSDP2_SYSTEMS:
-        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    worker_args = argparse.Namespace(device="cuda", mode="lora", ac="nonreentrant", model=args.model, seq=args.seq,
-                                     mbs=args.mbs, qlora_base=None, gather_units=args.units)
-    train_step, _, _, _ = setup(worker_args, args.system, 1, "cuda:0")
-    generator = torch.Generator().manual_seed(0)
-    vocab = MODELS[args.model]["vocab_size"]
-
-    def step():
-        ids = torch.randint(0, vocab, (args.mbs, args.seq), generator=generator).cuda()
-        train_step(ids)
-        torch.cuda.synchronize()
-
+    step = one_gpu_step(args.system, args.model, args.seq, args.mbs, args.units)
     for _ in range(3):
         step()
     start = time.perf_counter()

@@ -51,3 +51,21 @@ def test_bootstrap_interval_holds_the_median_and_is_deterministic():
 def test_pairs_are_the_reference_against_each_other_then_the_other_systems():
     assert paired_report.pair_list(["plain", "fsdp2", "fork", "fork#2"], "fork") == [
         ("fork", "plain"), ("fork", "fsdp2"), ("fork", "fork#2"), ("fsdp2", "plain")]
+
+
+def test_a_failing_aa_pair_is_told_the_cycles_that_would_pass_at_its_spread():
+    # Four times the cycles halve the interval: an interval of +-6% over 40 cycles needs 160 for +-3%.
+    entry = dict(ratio=1.0, low=0.94, high=1.06, pairs=40, aa=True, aa_pass=False, first="fork", second="fork#2",
+                 **CONFIG)
+    assert paired_report.cycles_for_band(entry) == 160
+    # Off-centre, the nearer band edge decides: 1.01 [0.98, 1.04] has 2% of room above for 3% of half width.
+    assert paired_report.cycles_for_band(dict(entry, ratio=1.01, low=0.98, high=1.04)) == 90
+    assert paired_report.cycles_for_band(dict(entry, ratio=1.05, low=1.0, high=1.1)) is None
+    entry["aa_cycles_for_band"] = paired_report.cycles_for_band(entry)
+    assert "about 160 cycles at this spread (40 ran)" in paired_report.aa_verdicts([entry])[0]
+
+
+def test_noisier_aa_rows_need_more_cycles():
+    quiet, noisy = (paired_report.pairs_summary(_rows({"fork": 1.0, "fork#2": 1.0}, cycles=40, noise=noise), "fork")[0]
+                    for noise in (0.05, 0.1))
+    assert quiet["aa_cycles_for_band"] < noisy["aa_cycles_for_band"], (quiet, noisy)
