@@ -32,7 +32,7 @@ from peer_worker import SYSTEMS  # noqa: E402
 from profile_step import one_gpu_step  # noqa: E402
 from workload import MODELS  # noqa: E402
 
-PYTHON_WORK_ITEMS = 200_000
+PYTHON_WORK_ITEMS = 600_000
 GPU_WORK_MATMULS = 200
 
 
