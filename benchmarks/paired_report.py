@@ -13,6 +13,11 @@ process placement or drift. An A/A pair that fails also gets an estimate of the 
 interval would lie inside the band, were the spread of its paired ratios the same: the interval narrows as one
 over the square root of the cycles, around the same median. There is no estimate where the median itself lies
 outside the band.
+
+Two more columns tell where the noise is. Per system: the spread of its steps (coefficient of variation, the
+median over its rounds) and the correlation of each step's log with the next one's in its block, the part of the
+noise that lasts longer than a step. Per pair: the correlation of the logs of the two systems' block medians in
+the same cycle, the part of the noise the two share, which the pairing takes out.
 """
 
 import argparse
@@ -70,9 +75,27 @@ def label_order(labels):
     return sorted(labels, key=lambda label: (SYSTEM_ORDER.index(label.split("#")[0]), label))
 
 
+def _correlation(pairs):
+    """Pearson's r of the logs of ``(x, y)`` pairs; None under three pairs or without spread."""
+    if len(pairs) < 3:
+        return None
+    x, y = numpy.log(numpy.asarray(pairs, dtype=float)).T
+    if x.std() == 0 or y.std() == 0:
+        return None
+    return float(numpy.corrcoef(x, y)[0, 1])
+
+
+def step_spread(rows):
+    """(coefficient of variation of the steps, median over the rounds; correlation of each step with the next one
+    of its block): how much a system's steps spread, and how much of that lasts longer than a step."""
+    spreads = [statistics.pstdev(row["step_s"]) / statistics.mean(row["step_s"]) for row in rows if row["step_s"]]
+    consecutive = [(block[i], block[i + 1]) for row in rows for block in row["block_s"] for i in range(len(block) - 1)]
+    return (statistics.median(spreads) if spreads else None), _correlation(consecutive)
+
+
 def systems_summary(rows):
     """Per configuration and label: median step time over its block medians with their bootstrap interval,
-    peak memory, dtypes."""
+    the steps' spread (:func:`step_spread`), peak memory, dtypes."""
     summary = []
     for config in configurations(rows):
         ran = [row for row in rows if _key(row) == config]
@@ -84,25 +107,26 @@ def systems_summary(rows):
             medians = [value for row in ok for value in _block_medians(row) if value is not None]
             if medians:
                 low, high = bootstrap_median(medians)
+                step_cv, step_lag1 = step_spread(ok)
                 entry.update(step_s=statistics.median(medians), step_s_low=low, step_s_high=high,
-                             steps=sum(len(row["step_s"]) for row in ok),
+                             steps=sum(len(row["step_s"]) for row in ok), step_cv=step_cv, step_lag1=step_lag1,
                              peak_mem_gib=max(row["peak_mem_gib"] for row in ok if "peak_mem_gib" in row),
                              param_dtypes=ok[0].get("param_dtypes"), compute_dtypes=ok[0].get("compute_dtypes"))
             summary.append(entry)
     return summary
 
 
-def paired_ratios(rows, config, first, second):
-    """Every cycle's ratio first / second (block medians) over the rounds of ``config`` where both ran."""
-    ratios = []
+def paired_block_medians(rows, config, first, second):
+    """Every cycle's (first's, second's) block medians over the rounds of ``config`` where both ran."""
+    medians = []
     for round_index in sorted({row["round"] for row in rows}):
         found = {row["label"]: row for row in rows if _key(row) == config and row["round"] == round_index}
         if first not in found or second not in found or found[first]["error"] or found[second]["error"]:
             continue
         for a, b in zip(_block_medians(found[first]), _block_medians(found[second])):
             if a is not None and b is not None:
-                ratios.append(a / b)
-    return ratios
+                medians.append((a, b))
+    return medians
 
 
 def pair_list(labels, reference):
@@ -119,9 +143,10 @@ def pairs_summary(rows, reference):
     for config in configurations(rows):
         labels = label_order(dict.fromkeys(row["label"] for row in rows if _key(row) == config))
         for first, second in pair_list(labels, reference):
-            ratios = paired_ratios(rows, config, first, second)
+            medians = paired_block_medians(rows, config, first, second)
+            ratios = [a / b for a, b in medians]
             entry = dict(zip(("shape", "world", "mode", "ac"), config), first=first, second=second,
-                         pairs=len(ratios), aa=second.split("#")[0] == first)
+                         pairs=len(ratios), aa=second.split("#")[0] == first, cycle_correlation=_correlation(medians))
             if ratios:
                 low, high = bootstrap_median(ratios)
                 entry.update(ratio=statistics.median(ratios), low=low, high=high)
@@ -144,32 +169,37 @@ def cycles_for_band(entry):
     return entry["pairs"] if shrink >= 1 else math.ceil(entry["pairs"] / shrink ** 2)
 
 
+def _number(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _config_text(entry):
     return f"{entry['shape']} w{entry['world']} {entry['mode']} {entry['ac']}"
 
 
 def markdown(systems, pairs):
-    lines = ["| configuration | system | step s, median of block medians [95% CI] | steps | peak GiB "
-             "| param dtypes | computes in |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | system | step s, median of block medians [95% CI] | steps | step CV, r with the next "
+             "| peak GiB | param dtypes | computes in |", "|---|---|---|---|---|---|---|---|"]
     for entry in systems:
         head = f"| {_config_text(entry)} | {entry['label']} |"
         if "step_s" not in entry:
-            lines.append(f"{head} error: {'; '.join(entry['errors'])} | | | | |")
+            lines.append(f"{head} error: {'; '.join(entry['errors'])} | | | | | |")
             continue
         compute = ", ".join(f"{role} {dtype}" for role, dtype in (entry["compute_dtypes"] or {}).items())
         lines.append(f"{head} {entry['step_s']:.4f} [{entry['step_s_low']:.4f}, {entry['step_s_high']:.4f}] | "
-                     f"{entry['steps']} | {entry['peak_mem_gib']:.3f} | {describe(entry['param_dtypes'] or {})} | "
+                     f"{entry['steps']} | {_number(entry['step_cv'])}, {_number(entry['step_lag1'])} | "
+                     f"{entry['peak_mem_gib']:.3f} | {describe(entry['param_dtypes'] or {})} | "
                      f"{compute} |")
-    lines += ["", "| configuration | pair | median paired ratio [95% CI] | pairs | A/A inside [0.97, 1.03] |",
-              "|---|---|---|---|---|"]
+    lines += ["", "| configuration | pair | median paired ratio [95% CI] | pairs | block medians' r | "
+              "A/A inside [0.97, 1.03] |", "|---|---|---|---|---|---|"]
     for entry in pairs:
         head = f"| {_config_text(entry)} | {entry['first']} / {entry['second']} |"
         if "ratio" not in entry:
-            lines.append(f"{head} no pair without error | 0 | |")
+            lines.append(f"{head} no pair without error | 0 | | |")
             continue
         verdict = ("**yes**" if entry["aa_pass"] else "**no**") if entry["aa"] else ""
         lines.append(f"{head} {entry['ratio']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}] | {entry['pairs']} | "
-                     f"{verdict} |")
+                     f"{_number(entry['cycle_correlation'])} | {verdict} |")
     return "\n".join(lines)
 
 

@@ -69,3 +69,20 @@ def test_noisier_aa_rows_need_more_cycles():
     quiet, noisy = (paired_report.pairs_summary(_rows({"fork": 1.0, "fork#2": 1.0}, cycles=40, noise=noise), "fork")[0]
                     for noise in (0.05, 0.1))
     assert quiet["aa_cycles_for_band"] < noisy["aa_cycles_for_band"], (quiet, noisy)
+
+
+def test_noise_columns_tell_a_slow_shared_drift_from_step_jitter():
+    def summaries(drift):
+        rows = _rows({"fork": 1.0, "fork#2": 1.0}, cycles=40, noise=0.05, drift=drift)
+        return paired_report.systems_summary(rows)[0], paired_report.pairs_summary(rows, "fork")[0]
+
+    jitter, jitter_pair = summaries(drift=0.0)
+    assert 0.03 < jitter["step_cv"] < 0.07 and abs(jitter["step_lag1"]) < 0.2, jitter
+    assert abs(jitter_pair["cycle_correlation"]) < 0.4, jitter_pair
+    # The host's drift is shared by the steps of a block and by both systems of a cycle.
+    drifting, drifting_pair = summaries(drift=2.0)
+    assert drifting["step_cv"] > 0.2 and drifting["step_lag1"] > 0.8, drifting
+    assert drifting_pair["cycle_correlation"] > 0.9, drifting_pair
+    table = paired_report.markdown([drifting], [drifting_pair])
+    assert f"| {drifting['step_cv']:.2f}, {drifting['step_lag1']:.2f} |" in table
+    assert f"| {drifting_pair['cycle_correlation']:.2f} |" in table
