@@ -13,6 +13,7 @@ stock DeepSpeed too: the fork's accounting, the gather meter and the timeline re
 import operator
 
 import torch
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 from deepspeed.runtime.zero.utils import is_zero_param
@@ -20,6 +21,7 @@ from deepspeed.utils import z3_leaf_module
 
 from zero3_ac.runtime.zero.accounting import LifecycleAccounting
 from zero3_ac.runtime.zero.invocation_lifecycle import InvocationLifecycle, TraceReuse
+from zero3_ac.runtime.zero.kept_partition_release import KeptPartitionRelease, ReleasedData
 from zero3_ac.runtime.zero.whole_param_shards import WholeParamShards
 from zero3_ac.utils import module_tree
 
@@ -119,14 +121,17 @@ class CoordinatorTap:
         through, so that stock costs what it costs.
 
     Under the fork, a param whose partition is the whole param is gathered and released by the tap's
-    ``whole_shards`` instead of upstream (Note [A shard that is the whole param] in whole_param_shards.py);
-    the listeners hear of it as of any other.
+    ``whole_shards`` instead of upstream (Note [A shard that is the whole param] in whole_param_shards.py),
+    and any other param whose partition stays as it is is released by its ``kept_partitions`` (Note [A
+    release that frees only the gathered data] in kept_partition_release.py); the listeners hear of
+    them as of any other.
     """
 
     def __init__(self, coordinator, phase_source=None):
         self.listeners = []
         self.phase_source = phase_source
         self.whole_shards = None  # under the fork: the WholeParamShards path, set by InvocationParams
+        self.kept_partitions = None  # under the fork: the KeptPartitionRelease path, set with whole_shards
         self._fetch_forward = True
         self._gather = getattr(coordinator, _PRIVATE + "all_gather_params")
         self._release = getattr(coordinator, _PRIVATE + "release_param")
@@ -185,7 +190,8 @@ class CoordinatorTap:
         was_available = param.ds_status == ZeroParamStatus.AVAILABLE
         if self.phase_source is not None and (not was_available or param.ds_active_sub_modules):
             return
-        if self.whole_shards is None or not free_data or not self.whole_shards.release(param):
+        if not (free_data and self.whole_shards is not None
+                and (self.whole_shards.release(param) or self.kept_partitions.release(param))):
             self._release(param, free_data)
         if was_available and self.listeners and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
             phase = self.phase()
@@ -209,7 +215,10 @@ class InvocationParams:
         self._reuse = None  # (the complete trace, the registration count, its TraceReuse, answers per call site)
         self.tap = CoordinatorTap.of(coordinator, phase_source=self._tap_phase)
         self.tap.add(self.accounting)
-        self.tap.whole_shards = WholeParamShards(coordinator, _PRIVATE)
+        device = torch.device(get_accelerator().current_device_name())
+        released_data = ReleasedData(device)
+        self.tap.kept_partitions = KeptPartitionRelease(coordinator, _PRIVATE, released_data, device)
+        self.tap.whole_shards = WholeParamShards(coordinator, _PRIVATE, released_data)
         self._whole_model = False
         self._upstream_fetch = coordinator.fetch_sub_module
         coordinator.fetch_sub_module = self._fetch_sub_module

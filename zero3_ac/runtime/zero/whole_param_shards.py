@@ -62,7 +62,7 @@ def _partition_is_whole(param) -> bool:
 class WholeParamShards:
     """One coordinator's gather and release of params on the path of [A shard that is the whole param]."""
 
-    def __init__(self, coordinator, private_prefix: str):
+    def __init__(self, coordinator, private_prefix: str, released_data):
         self._coordinator = coordinator
         # The coordinator's name-mangled attributes, named once (a fetch reads them for every module).
         self._counter_attr = private_prefix + "n_available_params"
@@ -71,7 +71,7 @@ class WholeParamShards:
         self._stream_attr = private_prefix + "allgather_stream"
         self._step_attr = private_prefix + "step_id"
         self._device = torch.device(get_accelerator().current_device_name())
-        self._released_data = {}  # dtype -> the zero-element tensor every released param of that dtype holds
+        self._released_data = released_data  # kept_partition_release.ReleasedData
         self._covered = (None, False)  # (the params last asked about, the answer)
 
     def _whole(self, param) -> bool:
@@ -102,10 +102,7 @@ class WholeParamShards:
         """Release a gathered, unheld param on this path; False if it is not on it (upstream releases it)."""
         if not self._whole(param):
             return False
-        released = self._released_data.get(param.dtype)
-        if released is None:
-            released = self._released_data[param.dtype] = torch.empty(0, dtype=param.dtype, device=self._device)
-        param.data = released
+        param.data = self._released_data[param.dtype]
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - param.ds_numel)
         return True

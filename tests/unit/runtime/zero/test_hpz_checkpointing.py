@@ -35,7 +35,8 @@ import torch
 from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.zero_case import (CheckpointedStack, assert_close_deltas, assert_fork_state,
                                                assert_nothing_drained, assert_partitioned, make_engine,
-                                               micro_batches, named_values, reference_deltas, zero_config)
+                                               hpz_group_forgotten_at_exit, micro_batches, named_values,
+                                               reference_deltas, zero_config)
 
 WORLD_SIZE = 4
 HPZ_SIZE = 2
@@ -182,6 +183,11 @@ def hpz_case(use_reentrant):
     engine.destroy()
 
 
+def forgetting_hpz_case(use_reentrant):
+    with hpz_group_forgotten_at_exit():
+        hpz_case(use_reentrant)
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_each_phase_gathers_from_the_partition_hpz_keeps_for_it(use_reentrant):
-    run_distributed(WORLD_SIZE, hpz_case, use_reentrant)
+    run_distributed(WORLD_SIZE, forgetting_hpz_case, use_reentrant)

@@ -17,9 +17,9 @@ from tests.unit.common import run_distributed
 from tests.unit.runtime.zero.test_checkpoint_lifecycle import train_and_check
 from tests.unit.runtime.zero.test_selective_checkpointing import SEQUENCE, SelectiveStack
 from tests.unit.runtime.zero.zero_case import (DIM, LR, CheckpointedStack, assert_close_deltas, assert_fork_state,
-                                               assert_nothing_drained, assert_partitioned, make_engine,
-                                               fork_disabled, micro_batches, named_values, reference_deltas,
-                                               torch_linear, zero_config)
+                                               assert_nothing_drained, assert_partitioned, fork_disabled,
+                                               hpz_group_forgotten_at_exit, make_engine, micro_batches, named_values,
+                                               reference_deltas, torch_linear, zero_config)
 
 WORLD_SIZE = 2
 
@@ -84,7 +84,8 @@ ZERO_PLUS_PLUS = {
 
 def zero_plus_plus_case(feature):
     torch.manual_seed(42)
-    train_and_check(CheckpointedStack(blocks=3), zero_options=ZERO_PLUS_PLUS[feature])
+    with hpz_group_forgotten_at_exit():
+        train_and_check(CheckpointedStack(blocks=3), zero_options=ZERO_PLUS_PLUS[feature])
 
 
 def _quantizer_on_this_accelerator() -> bool:

@@ -61,6 +61,21 @@ def torch_linear():
         torch.nn.functional.linear = installed
 
 
+@contextlib.contextmanager
+def hpz_group_forgotten_at_exit():
+    """Note: [The hpZ group outlives its engine]
+        DeepSpeed keeps the hpZ process group that the first engine with ``zero_hpz_partition_size`` > 1
+        creates in ``deepspeed.utils.groups`` for the rest of the process, and every later ZeRO-3 engine of
+        the process partitions with it, hpZ in its config or not (``stage3.py`` passes
+        ``groups._get_zero_param_intra_parallel_group()`` to the partitioning unconditionally). A test's
+        rank processes run the next tests too, so an hpZ case forgets the group when it ends."""
+    try:
+        yield
+    finally:
+        from deepspeed.utils import groups
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
 def fork_disabled() -> bool:
     return os.environ.get("ZERO3_AC_DISABLE", "") not in ("", "0")
 
