@@ -16,7 +16,8 @@ Note: [A release that frees only the gathered data]
     the whole param] in whole_param_shards.py says why that is safe).
     Left to upstream's ``partition``: a partition on NVMe (its swap buffers are released too), with an
     hpZ secondary partition (``_partition_param_sec``), quantized, or on another device than the compute
-    device (param offload, ``offload_states``), and a release that keeps the data (``free_data=False``).
+    device (param offload, ``offload_states``), gathered data off the compute device, and a release that
+    keeps the data (``free_data=False``).
 """
 
 import torch
@@ -56,13 +57,13 @@ class KeptPartitionRelease:
     def release(self, param) -> bool:
         """Release a gathered param no module is active on; False where upstream's ``partition`` must."""
         partition = param.ds_tensor
+        data = param.data
         if (param.ds_status is not _AVAILABLE or partition is None or partition.device != self._device
-                or getattr(param, "ds_zero_param_process_group", None) is not None
+                or data.device != self._device or getattr(param, "ds_zero_param_process_group", None) is not None
                 or getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme
                 or hasattr(partition, "ds_quant_scale")):
             return False
-        data = param.data
-        if self._current_stream is not None and data.device == self._device:
+        if self._current_stream is not None:
             data.record_stream(self._current_stream())
         param.data = self._released_data[param.dtype]
         param.ds_status = _NOT_AVAILABLE
