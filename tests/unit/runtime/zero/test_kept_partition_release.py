@@ -24,6 +24,8 @@ def release_case(use_reentrant, upstream_release=False):
     batches = micro_batches(STEPS, dist.get_world_size(), requires_grad=use_reentrant)
     expected = reference_deltas(model, batches, gas=1)
     engine = make_engine(model, zero_config(3))
+    assert all(getattr(param, "ds_zero_param_process_group", None) is None for param in engine.module.parameters()), (
+        "partitioned with an hpZ group an earlier case left (Note [The hpZ group outlives its engine] in zero_case.py)")
     if upstream_release and not fork_disabled():
         from zero3_ac.runtime.zero.partitioned_param_coordinator import CoordinatorTap
         CoordinatorTap.of(engine.optimizer.parameter_offload.get_param_coordinator()).kept_partitions.release = (
