@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import statistics
+import sys
 import time
 import warnings
 
@@ -82,7 +83,7 @@ def serve(rank, world_size, port, args, connection, cores=None):
                     cores=sorted(os.sched_getaffinity(0)) if cores else None)
         if engine is not None:
             import zero3_ac
-            info["fork_active"] = zero3_ac.is_active()
+            info.update(fork_active=zero3_ac.is_active(), fork_path=os.path.dirname(os.path.abspath(zero3_ac.__file__)))
         peak = PeakMemory(args.device)
         peak.reset()
         connection.send(("ready", info))
@@ -121,6 +122,11 @@ class System:
         context = torch.multiprocessing.get_context("spawn")
         saved = os.environ.get("ZERO3_AC_DISABLE")
         os.environ["ZERO3_AC_DISABLE"] = "0" if child.system in FORK_INSTALLED else "1"
+        # --aa-path: a spawned child starts with this process's sys.path as it is at start(), and imports zero3_ac
+        # only after that (unpickling its target, or at `import deepspeed`): the first zero3_ac on that path.
+        other_version = getattr(args, "aa_path", None) if label.endswith(AA_SUFFIX) else None
+        if other_version:
+            sys.path.insert(0, other_version)
         try:
             self.connections, self.processes = [], []
             for rank in range(world):
@@ -131,6 +137,8 @@ class System:
                 self.connections.append(ours)
                 self.processes.append(process)
         finally:
+            if other_version:
+                sys.path.remove(other_version)
             if saved is None:
                 os.environ.pop("ZERO3_AC_DISABLE")
             else:

@@ -137,8 +137,9 @@ def pair_list(labels, reference):
     return pairs + [(later, earlier) for index, earlier in enumerate(others) for later in others[index + 1:]]
 
 
-def pairs_summary(rows, reference):
-    """Per configuration and pair of :func:`pair_list`: the median paired ratio, its interval, the A/A verdict."""
+def pairs_summary(rows, reference, other_version=False):
+    """Per configuration and pair of :func:`pair_list`: the median paired ratio, its interval, the A/A verdict
+    (none where ``other_version``: the copy ran another version of the fork, ``peers.py --aa-path``, an A/B)."""
     summary = []
     for config in configurations(rows):
         labels = label_order(dict.fromkeys(row["label"] for row in rows if _key(row) == config))
@@ -146,7 +147,7 @@ def pairs_summary(rows, reference):
             medians = paired_block_medians(rows, config, first, second)
             ratios = [a / b for a, b in medians]
             entry = dict(zip(("shape", "world", "mode", "ac"), config), first=first, second=second,
-                         pairs=len(ratios), aa=second.split("#")[0] == first, cycle_correlation=_correlation(medians))
+                         pairs=len(ratios), aa=second.split("#")[0] == first and not other_version, cycle_correlation=_correlation(medians))
             if ratios:
                 low, high = bootstrap_median(ratios)
                 entry.update(ratio=statistics.median(ratios), low=low, high=high)
@@ -229,6 +230,9 @@ def readme(document, systems, pairs):
         status += f"\n{document['note']}\n"
     versions = ", ".join(f"{name} {value}" for name, value in env.items())
     verdicts = "\n".join(f"- {line}" for line in aa_verdicts(pairs)) or "- no A/A pair ran (`--aa`)"
+    if settings.get("aa_path"):
+        verdicts = (f"- no A/A pair ran: {settings['aa']}#2 is {settings['aa']} with the zero3_ac package of "
+                    f"`{settings['aa_path']}` (`--aa-path`), a paired A/B of two versions")
     return (f"# Paired benchmark: {settings['shape']} shape on {settings['device']}\n{status}\n"
             f"Command (from the repository root):\n\n    {document['command']}\n\n"
             f"Environment: {versions}.\n\nModel `{settings['model']}`, sequence {settings['seq']}, micro-batch "
@@ -281,7 +285,7 @@ def chart(systems, pairs, path):
 def write(directory, document, rows):
     """README.md and paired.png in ``directory`` from ``rows``; returns the README text."""
     systems = systems_summary(rows)
-    pairs = pairs_summary(rows, document["settings"]["reference"])
+    pairs = pairs_summary(rows, document["settings"]["reference"], bool(document["settings"].get("aa_path")))
     text = readme(document, systems, pairs)
     with open(os.path.join(directory, "README.md"), "w") as out:
         out.write(text)

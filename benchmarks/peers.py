@@ -170,6 +170,9 @@ def parse(argv=None):
     parser.add_argument("--note", default="", help="a paragraph for the top of README.md (machine, load)")
     parser.add_argument("--paired", action="store_true", help="paired rounds (see above)")
     parser.add_argument("--aa", choices=SYSTEMS, default=None, help="--paired: a second copy of this system")
+    parser.add_argument("--aa-path", default=None,
+                        help="--paired: the A/A copy imports zero3_ac from this folder (another version of the fork: "
+                        "a paired A/B of two versions; e.g. `git archive REV zero3_ac | tar -x -C DIR`)")
     parser.add_argument("--reference", choices=SYSTEMS, default=None, help="--paired: numerator of the ratios")
     parser.add_argument("--block", type=int, default=5, help="--paired: steps a system runs per turn")
     parser.add_argument("--pin-cores", action="store_true",
@@ -177,6 +180,9 @@ def parse(argv=None):
     args = parser.parse_args(argv)
     if args.aa and args.aa not in args.systems:
         parser.error(f"--aa {args.aa} is not among --systems {','.join(args.systems)}")
+    if args.aa_path and not (args.aa == "fork" and os.path.isdir(os.path.join(args.aa_path, "zero3_ac"))):
+        parser.error(f"--aa-path needs --aa fork and a folder holding a zero3_ac package, not {args.aa_path}")
+    args.aa_path = args.aa_path and os.path.abspath(args.aa_path)
     args.reference = args.reference or ("fork" if "fork" in args.systems else args.systems[0])
     gpu = args.device == "cuda"
     args.world = [int(world) for world in args.world]
@@ -216,7 +222,7 @@ def main_paired(args, command):
         raise SystemExit("--paired does not run --modes qlora")
     settings = dict(device=args.device, shape=args.shape, model=args.model, seq=args.seq, mbs=args.mbs,
                     warmup=args.warmup, steps=args.steps, block=args.block, rounds=args.rounds, world=args.world,
-                    systems=args.systems, aa=args.aa, reference=args.reference)
+                    systems=args.systems, aa=args.aa, aa_path=args.aa_path, reference=args.reference)
     document = dict(command=command, complete=False, note=args.note, settings=settings, environment=args.environment)
     os.makedirs(args.out, exist_ok=True)
 

@@ -41,6 +41,12 @@ def test_aa_fails_when_the_copies_differ():
     assert "NOT inside" in paired_report.aa_verdicts(pairs)[0]
 
 
+def test_a_copy_of_another_version_is_an_ab_pair_not_an_aa_check():
+    pairs = paired_report.pairs_summary(_rows({"fork": 1.0, "fork#2": 1.06}), "fork", other_version=True)
+    assert not pairs[0]["aa"] and "aa_pass" not in pairs[0] and 1.03 < 1 / pairs[0]["ratio"] < 1.09
+    assert paired_report.aa_verdicts(pairs) == []
+
+
 def test_bootstrap_interval_holds_the_median_and_is_deterministic():
     values = list(numpy.random.default_rng(2).normal(1.0, 0.05, 30))
     low, high = paired_report.bootstrap_median(values)

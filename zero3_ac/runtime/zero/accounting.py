@@ -68,20 +68,27 @@ class StepAccounting:
 
     def record_gather(self, phase: str, frozen: bool, ds_id: int, numel: int, nbytes: int,
                       persistent: bool = False) -> None:
-        key = _KEYS[phase, frozen]
-        self.gathered_numel[key] += numel
-        self.gathered_bytes[key] += nbytes
-        self.gathered_params[key] += 1
+        self.record_gathers(phase, ((frozen, ds_id, numel, nbytes, persistent), ))
+
+    def record_gathers(self, phase: str, gathers) -> None:
+        """``gathers``: (frozen, ds_id, numel, nbytes, persistent) of each param gathered in ``phase``."""
         releases = self._backward_releases if phase in BACKWARD_PASS else self._forward_releases
-        earlier = releases.pop(ds_id, None)
-        if earlier is not None:
-            self._record_regather(f"{earlier}->{key}", ds_id, nbytes)
-        if not persistent:
-            self.live_bytes += nbytes
-        if self.live_bytes > self.peak_live_bytes:
-            self.peak_live_bytes = self.live_bytes
-        if phase in BACKWARD_PASS and self.live_bytes > self.backward_peak_live_bytes:
-            self.backward_peak_live_bytes = self.live_bytes
+        live_bytes = self.live_bytes
+        for frozen, ds_id, numel, nbytes, persistent in gathers:
+            key = _KEYS[phase, frozen]
+            self.gathered_numel[key] += numel
+            self.gathered_bytes[key] += nbytes
+            self.gathered_params[key] += 1
+            earlier = releases.pop(ds_id, None)
+            if earlier is not None:
+                self._record_regather(f"{earlier}->{key}", ds_id, nbytes)
+            if not persistent:
+                live_bytes += nbytes
+        self.live_bytes = live_bytes
+        if live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = live_bytes
+        if phase in BACKWARD_PASS and live_bytes > self.backward_peak_live_bytes:
+            self.backward_peak_live_bytes = live_bytes
 
     def _record_regather(self, key: str, ds_id: int, nbytes: int) -> None:
         self.regathered_params[key] += 1
@@ -89,10 +96,17 @@ class StepAccounting:
         self.regathered_ids.setdefault(key, collections.Counter())[ds_id] += 1
 
     def record_release(self, phase: str, ds_id: int, nbytes: int, persistent: bool = False) -> None:
-        releases = self._backward_releases if phase in BACKWARD_PASS else self._forward_releases
-        releases[ds_id] = phase
-        if not persistent:
-            self.live_bytes = max(0, self.live_bytes - nbytes)
+        self.record_releases(phase, ((ds_id, nbytes, persistent), ))
+
+    def record_releases(self, phase: str, releases) -> None:
+        """``releases``: (ds_id, nbytes, persistent) of each param released in ``phase``."""
+        released_in = self._backward_releases if phase in BACKWARD_PASS else self._forward_releases
+        live_bytes = self.live_bytes
+        for ds_id, nbytes, persistent in releases:
+            released_in[ds_id] = phase
+            if not persistent:
+                live_bytes = max(0, live_bytes - nbytes)
+        self.live_bytes = live_bytes
 
     def close(self) -> None:
         """Forget what each pass released (the step is over; its counters stay)."""
@@ -160,6 +174,15 @@ class LifecycleAccounting:
 
     def released(self, param, phase: str) -> None:
         self.current.record_release(phase, param.ds_id, param.ds_numel * param.element_size(), param.ds_persist)
+
+    def gathered_all(self, params, phase: str) -> None:
+        self.current.record_gathers(phase, [(not param.requires_grad, param.ds_id, param.ds_numel,
+                                             param.ds_numel * param.element_size(), param.ds_persist)
+                                            for param in params])
+
+    def released_all(self, params, phase: str) -> None:
+        self.current.record_releases(phase, [(param.ds_id, param.ds_numel * param.element_size(), param.ds_persist)
+                                             for param in params])
 
     def held(self, invocation_id: int, params) -> None:
         pass

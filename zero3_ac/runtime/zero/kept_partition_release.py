@@ -56,17 +56,33 @@ class KeptPartitionRelease:
 
     def release(self, param) -> bool:
         """Release a gathered param no module is active on; False where upstream's ``partition`` must."""
-        partition = param.ds_tensor
-        data = param.data
-        if (param.ds_status is not _AVAILABLE or partition is None or partition.device != self._device
-                or data.device != self._device or getattr(param, "ds_zero_param_process_group", None) is not None
-                or getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme
-                or hasattr(partition, "ds_quant_scale")):
-            return False
-        if self._current_stream is not None:
-            data.record_stream(self._current_stream())
-        param.data = self._released_data[param.dtype]
-        param.ds_status = _NOT_AVAILABLE
-        coordinator = self._coordinator
-        setattr(coordinator, self._counter_attr, getattr(coordinator, self._counter_attr) - param.ds_numel)
-        return True
+        return not self.release_all((param, ))
+
+    def release_all(self, params) -> list:
+        """Release the gathered ``params`` no module is active on; returns those upstream's ``partition`` must, in
+        order."""
+        if not params:
+            return params
+        rest = []
+        elements = 0
+        device = self._device
+        released_data = self._released_data
+        stream = self._current_stream() if self._current_stream is not None else None
+        for param in params:
+            partition = param.ds_tensor
+            data = param.data
+            if (param.ds_status is not _AVAILABLE or partition is None or partition.device != device
+                    or data.device != device or getattr(param, "ds_zero_param_process_group", None) is not None
+                    or getattr(partition, "final_location", None) == OffloadDeviceEnum.nvme
+                    or hasattr(partition, "ds_quant_scale")):
+                rest.append(param)
+                continue
+            if stream is not None:
+                data.record_stream(stream)
+            param.data = released_data[param.dtype]
+            param.ds_status = _NOT_AVAILABLE
+            elements += param.ds_numel
+        if elements:
+            coordinator = self._coordinator
+            setattr(coordinator, self._counter_attr, getattr(coordinator, self._counter_attr) - elements)
+        return rest

@@ -59,6 +59,11 @@ def _partition_is_whole(param) -> bool:
             and not hasattr(partition, "ds_quant_scale") and param.ds_secondary_tensor is None)
 
 
+def _remember_whole(param) -> bool:
+    whole = param.__dict__[_WHOLE_ATTR] = _partition_is_whole(param)
+    return whole
+
+
 class WholeParamShards:
     """One coordinator's gather and release of params on the path of [A shard that is the whole param]."""
 
@@ -77,7 +82,7 @@ class WholeParamShards:
     def _whole(self, param) -> bool:
         whole = param.__dict__.get(_WHOLE_ATTR)
         if whole is None:
-            whole = param.__dict__[_WHOLE_ATTR] = _partition_is_whole(param)
+            whole = _remember_whole(param)
         return whole and param.ds_tensor.device == self._device
 
     def gather(self, params):
@@ -85,10 +90,14 @@ class WholeParamShards:
         passes over a param that is available or in flight)."""
         rest = []
         elements = 0
+        device = self._device
         for param in params:
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
                 continue
-            if self._whole(param):
+            whole = param.__dict__.get(_WHOLE_ATTR)  # self._whole(param), inlined: the loop runs for every param
+            if whole is None:
+                whole = _remember_whole(param)
+            if whole and param.ds_tensor.device == device:
                 param.data = param.ds_tensor.data.view(param.ds_shape)
                 param.ds_status = ZeroParamStatus.AVAILABLE
                 elements += param.ds_numel
@@ -100,12 +109,27 @@ class WholeParamShards:
 
     def release(self, param) -> bool:
         """Release a gathered, unheld param on this path; False if it is not on it (upstream releases it)."""
-        if not self._whole(param):
-            return False
-        param.data = self._released_data[param.dtype]
-        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-        setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - param.ds_numel)
-        return True
+        return not self.release_all((param, ))
+
+    def release_all(self, params) -> list:
+        """Release the gathered, unheld ``params`` on this path; returns the others, in order."""
+        rest = []
+        elements = 0
+        released_data = self._released_data
+        device = self._device
+        for param in params:
+            whole = param.__dict__.get(_WHOLE_ATTR)  # self._whole(param), inlined as in gather
+            if whole is None:
+                whole = _remember_whole(param)
+            if whole and param.ds_tensor.device == device:
+                param.data = released_data[param.dtype]
+                param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                elements += param.ds_numel
+            else:
+                rest.append(param)
+        if elements:
+            setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - elements)
+        return rest
 
     def covers(self, params) -> bool:
         """Whether a model with these params fetches on the path of [A fetch of whole shards]; answered

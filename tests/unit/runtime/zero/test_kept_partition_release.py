@@ -28,8 +28,9 @@ def release_case(use_reentrant, upstream_release=False):
         "partitioned with an hpZ group an earlier case left (Note [The hpZ group outlives its engine] in zero_case.py)")
     if upstream_release and not fork_disabled():
         from zero3_ac.runtime.zero.partitioned_param_coordinator import CoordinatorTap
-        CoordinatorTap.of(engine.optimizer.parameter_offload.get_param_coordinator()).kept_partitions.release = (
-            lambda param: False)
+        kept_partitions = CoordinatorTap.of(engine.optimizer.parameter_offload.get_param_coordinator()).kept_partitions
+        kept_partitions.release = lambda param: False
+        kept_partitions.release_all = lambda params: list(params)
     partitions = [0]
     for param in engine.module.parameters():
         def counted(*args, _partition=param.partition, **kwargs):

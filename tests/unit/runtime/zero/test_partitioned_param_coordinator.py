@@ -60,6 +60,33 @@ class _Param:
 
     def __init__(self, name, status, active=()):
         self.name, self.ds_status, self.ds_active_sub_modules = name, status, set(active)
+        self.ds_persist = self.is_external_param = False
+        self.ds_tensor = self.data = None  # on neither of the fork's own release paths: upstream's release takes it
+
+
+def test_a_release_of_many_params_reaches_upstream_as_releases_one_by_one_and_a_later_wrapper_sees_each():
+    """Note [A release of many params at once]: the same params reach upstream's release, in order; once
+    something wraps the coordinator's release after the fork, every param passes through the wrapper."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams
+    params = [_Param("first", ZeroParamStatus.AVAILABLE), _Param("partitioned", ZeroParamStatus.NOT_AVAILABLE),
+              _Param("in use", ZeroParamStatus.AVAILABLE, active=[-3]), _Param("second", ZeroParamStatus.AVAILABLE)]
+    coordinator = _Coordinator()
+    invocation_params = InvocationParams(coordinator, 0, will_open=lambda module: False)
+    invocation_params.release(params)
+    assert coordinator.released == ["first", "second"]
+    wrapped = []
+    tap_release = coordinator._PartitionedParameterCoordinator__release_param
+
+    def wrapper(param, free_data=True):
+        wrapped.append(param.name)
+        return tap_release(param, free_data)
+
+    coordinator.released = []
+    coordinator._PartitionedParameterCoordinator__release_param = wrapper
+    invocation_params.release(params)
+    assert wrapped == ["first", "partitioned", "in use", "second"] and coordinator.released == ["first", "second"]
 
 
 def test_the_forks_tap_returns_at_once_for_a_release_that_releases_nothing():
