@@ -37,6 +37,7 @@ from tests.unit.runtime.zero.zero_case import (CheckpointedStack, assert_close_d
                                                assert_nothing_drained, assert_partitioned, make_engine,
                                                hpz_group_forgotten_at_exit, micro_batches, named_values,
                                                reference_deltas, zero_config)
+from zero3_ac.runtime.zero.partitioned_param_coordinator import TapListener
 
 WORLD_SIZE = 4
 HPZ_SIZE = 2
@@ -76,8 +77,8 @@ def _group_name(group) -> str:
     return f"ranks {ranks}"
 
 
-class HpzGatherLog:
-    """Listens to an engine's ``CoordinatorTap`` (the ``TapListener`` methods) and, while
+class HpzGatherLog(TapListener):
+    """Listens to an engine's ``CoordinatorTap`` and, while
     :meth:`collectives` is entered, to the collectives ZeRO-3's all-gathers launch.
 
     The tap reports a gather's params just before it runs the gather, whose collectives follow:
@@ -96,12 +97,6 @@ class HpzGatherLog:
         if not self.gathers or self.gathers[-1].groups:
             self.gathers.append(Gather(self.step, phase))
         self.gathers[-1].params.append((self.names[param], param.requires_grad, _partition(param)))
-
-    def released(self, param, phase):
-        pass
-
-    def held(self, invocation_id, params):
-        pass
 
     @contextlib.contextmanager
     def collectives(self):
