@@ -20,6 +20,10 @@ pyinstrument`` (needs the pyinstrument package; on the device machine carry its 
 zero3_ac function (inclusive, and the part spent outside any deeper DeepSpeed or zero3_ac frame, torch and built-in
 calls included), and the time each library's code was entered from outside it; and the wall time of every function as the innermost
 frame. The sampled steps run with autograd's multithreading off (see ``sample``).
+
+``--sampler kernels`` counts, per step, the CUDA kernels and copies the steps launch (by name) and the ``aten::``
+operators they call (every nesting level), under torch's profiler: the host work a GPU step pays per launch, to
+compare systems launch by launch (``kernels-TAG.txt``).
 """
 
 import argparse
@@ -97,7 +101,7 @@ def main():
     parser.add_argument("--units", default=None, help='the fork\'s "zero3_ac": {"gather_units": ...}; default: not set')
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profiled", type=int, default=3)
-    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument"), default="cprofile")
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument", "kernels"), default="cprofile")
     parser.add_argument("--interval", type=float, default=0.0005, help="pyinstrument's sampling interval, seconds")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--out", required=True)
@@ -111,6 +115,8 @@ def main():
     step_s = (time.perf_counter() - start) / args.steps
     if args.sampler == "pyinstrument":
         return sample(args, step, step_s)
+    if args.sampler == "kernels":
+        return count_launches(args, step, step_s)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.profiled):
@@ -193,6 +199,38 @@ def sample(args, step, step_s):
     with open(os.path.join(args.out, f"sample-{args.tag}.txt.tree"), "w") as handle:
         handle.write(profiler.output_text(unicode=False, color=False))
     print(f"{args.tag}: step {step_s:.4f} s, sampled {sampled_s:.4f} s; table in {path}")
+
+
+def launch_counts(events, steps):
+    """(CUDA kernels and copies by name, ``aten::`` operators by name) per step, from the profiler's raw events."""
+    from torch.autograd import DeviceType
+    device, operators = {}, {}
+    for event in events:
+        name = event.name()
+        if event.device_type() == DeviceType.CUDA:
+            device[name] = device.get(name, 0) + 1 / steps
+        elif name.startswith("aten::"):
+            operators[name] = operators.get(name, 0) + 1 / steps
+    return device, operators
+
+
+def count_launches(args, step, step_s):
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(args.profiled):
+            step()
+    device, operators = launch_counts(profile.profiler.kineto_results.events(), args.profiled)
+    lines = [f"{args.tag}: system {args.system}, unprofiled step {step_s:.4f} s; per step: "
+             f"{sum(device.values()):.0f} CUDA kernels and copies, {sum(operators.values()):.0f} aten operators "
+             f"({args.profiled} profiled steps)", "", "  per step  CUDA kernel or copy"]
+    lines += [f"{count:10.1f}  {name[:150]}" for name, count in sorted(device.items(), key=lambda item: -item[1])[:60]]
+    lines += ["", "  per step  aten operator"]
+    lines += [f"{count:10.1f}  {name}" for name, count in sorted(operators.items(), key=lambda item: -item[1])[:80]]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"kernels-{args.tag}.txt")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print(lines[0])
 
 
 if __name__ == "__main__":
