@@ -18,14 +18,15 @@ compute in (Note: [Adapter dtypes under ZeRO-3 bf16] in dtypes.py).
 Paired rounds (``--paired``, paired.py), to compare systems within a few percent:
 
     python benchmarks/peers.py --paired --device cuda --shape 1.1b --systems plain,fsdp2,fork --aa fork \\
-        --modes lora --ac nonreentrant --steps 40 --block 5 --rounds 2 --out $OUT/1.1b
+        --modes lora --ac nonreentrant --steps 150 --rounds 1 --out $OUT/1.1b
 
 every system of a configuration runs at once in its own fresh processes (a round), and they take turns
 running ``--block`` steps; ``--steps`` measured steps each per round (default 40). Options of this mode:
 ``--aa SYSTEM`` adds a second copy of SYSTEM (label ``SYSTEM#2``, its own processes) for an A/A check;
 ``--reference SYSTEM`` (default fork, else the first of ``--systems``) is the numerator of its ratio to every
 other system (the others are paired too, the later in plain, fsdp2, stock, fork over the earlier);
-``--block N`` (default 5). Writes runs.jsonl (one row per system per round, every step time), settings.json,
+``--block N`` (default 1 on cuda, where the host's slow spells last a few steps and only steps
+taken one after the other share them; 5 on cpu). Writes runs.jsonl (one row per system per round, every step time), settings.json,
 README.md (median paired ratio per pair with a bootstrap interval, whether the A/A interval lies inside
 [0.97, 1.03]) and paired.png; ``paired_report.py`` rewrites the last two. ``--budget-s`` and ``--rounds``
 work as in the default mode; the profiled step, all-gather counts and module calls are not taken.
@@ -174,7 +175,8 @@ def parse(argv=None):
                         help="--paired: the A/A copy imports zero3_ac from this folder (another version of the fork: "
                         "a paired A/B of two versions; e.g. `git archive REV zero3_ac | tar -x -C DIR`)")
     parser.add_argument("--reference", choices=SYSTEMS, default=None, help="--paired: numerator of the ratios")
-    parser.add_argument("--block", type=int, default=5, help="--paired: steps a system runs per turn")
+    parser.add_argument("--block", type=int, default=None,
+                        help="--paired: steps a system runs per turn (default: 1 on cuda, 5 on cpu)")
     parser.add_argument("--pin-cores", action="store_true",
                         help="--paired: each rank process on cores of its own (see paired.py)")
     args = parser.parse_args(argv)
@@ -192,6 +194,7 @@ def parse(argv=None):
     args.mbs = args.mbs or (1 if args.shape == "8b" else 2)
     args.warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
     args.steps = args.steps if args.steps is not None else (40 if args.paired else 5 if gpu else 3)
+    args.block = args.block or (1 if gpu else 5)
     return args
 
 

@@ -23,7 +23,7 @@ for shape in ${SHAPES:-1.1b 8b}; do
             --ac nonreentrant --steps "${STEPS:-5}" --warmup 3 --rounds 1 --timeout-s 400 --out "$OUTDIR/probe-$shape"
     else
         run --paired --device cuda --shape "$shape" --systems "${SYSTEMS:-fsdp2,fsdp2_compile,fork}" --aa fork \
-            --modes lora --ac nonreentrant --block "${BLOCK:-5}" --warmup 3 --timeout-s 400 --steps "${STEPS:-40}" \
+            --modes lora --ac nonreentrant --block "${BLOCK:-1}" --warmup 3 --timeout-s 400 --steps "${STEPS:-40}" \
             --rounds "${ROUNDS:-1}" --out "$OUTDIR/$shape"
         rm -f "$OUTDIR/$shape/paired.png"
     fi

@@ -28,7 +28,7 @@ mkdir -p "$OUTDIR"
 log=$(mktemp)
 verdicts=""
 paired="--paired --device cuda"
-common="--modes lora --ac nonreentrant --block ${BLOCK:-5} --warmup 3 --timeout-s 300"
+common="--modes lora --ac nonreentrant --block ${BLOCK:-1} --warmup 3 --timeout-s 300"
 four="--systems plain,fsdp2,fork --aa fork"
 readme_header "Paired rounds, 1xH200: fork against FSDP2, plain PyTorch and itself (A/A)" "$OUTDIR/README.md"
 run() {

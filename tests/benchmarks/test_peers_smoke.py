@@ -76,3 +76,17 @@ def test_cpu_peer_benchmark_runs_qlora_with_the_fork(tmp_path):
     [run] = document["runs"]
     assert not run["error"] and run["mode"] == "qlora" and run["fork_active"] is True, run
     assert run["trainable_params"] > 0 and run["zero_gathered_gib_by_phase"]["forward"] > 0, run
+
+
+def test_paired_rounds_alternate_every_step_on_a_gpu_and_every_five_on_a_cpu():
+    """A GPU host's slow spells last a few steps: only steps taken one after the other share them
+    (benchmarks/results/2026-12-05-1xh200-aa-block1: blocks of 1 pass the A/A check, blocks of 5 do not)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import peers
+    finally:
+        sys.path.remove(os.path.join(REPO, "benchmarks"))
+    common = ["--paired", "--systems", "fork", "--out", "unused"]
+    assert peers.parse(["--device", "cuda", *common]).block == 1
+    assert peers.parse(["--device", "cpu", *common]).block == 5
+    assert peers.parse(["--device", "cuda", "--block", "3", *common]).block == 3
