@@ -28,8 +28,8 @@ other system (the others are paired too, the later in plain, fsdp2, stock, fork 
 ``--block N`` (default 1 on cuda, where the host's slow spells last a few steps and only steps
 taken one after the other share them; 5 on cpu). Writes runs.jsonl (one row per system per round, every step
 time), settings.json, README.md (median paired ratio per pair with a bootstrap interval, whether the A/A
-interval lies inside [0.97, 1.03]) and paired.png; ``paired_report.py`` rewrites the last two. ``--budget-s`` and ``--rounds``
-work as in the default mode; the profiled step, all-gather counts and module calls are not taken.
+interval lies inside [0.97, 1.03]) and paired.png; ``paired_report.py`` rewrites the last two. ``--budget-s``
+and ``--rounds`` work as in the default mode; the profiled step, all-gather counts and module calls are not taken.
 """
 
 import argparse
