@@ -24,6 +24,13 @@ frame. The sampled steps run with autograd's multithreading off (see ``sample``)
 ``--sampler kernels`` counts, per step, the CUDA kernels and copies the steps launch (by name) and the ``aten::``
 operators they call (every nesting level), under torch's profiler: the host work a GPU step pays per launch, to
 compare systems launch by launch (``kernels-TAG.txt``).
+
+``--sampler gaps`` says where a GPU step waits for the host (``gaps-TAG.txt``): the GPU's idle intervals
+of the profiled steps, each charged to what the thread that launches the next kernel is running in the
+middle of it (its Python stack, from torch's profiler with ``with_stack``): the innermost DeepSpeed or
+zero3_ac function, and the innermost function of any library. An idle interval is host work that
+delays the next launch, or a wait. It also runs one step under ``torch.cuda.set_sync_debug_mode``
+and counts the synchronizing calls by the DeepSpeed or zero3_ac line that makes them.
 """
 
 import argparse
@@ -101,7 +108,7 @@ def main():
     parser.add_argument("--units", default=None, help='the fork\'s "zero3_ac": {"gather_units": ...}; default: not set')
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profiled", type=int, default=3)
-    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument", "kernels"), default="cprofile")
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument", "kernels", "gaps"), default="cprofile")
     parser.add_argument("--interval", type=float, default=0.0005, help="pyinstrument's sampling interval, seconds")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--out", required=True)
@@ -117,6 +124,8 @@ def main():
         return sample(args, step, step_s)
     if args.sampler == "kernels":
         return count_launches(args, step, step_s)
+    if args.sampler == "gaps":
+        return idle_gaps(args, step, step_s)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.profiled):
@@ -228,6 +237,96 @@ def count_launches(args, step, step_s):
     lines += [f"{count:10.1f}  {name}" for name, count in sorted(operators.items(), key=lambda item: -item[1])[:80]]
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"kernels-{args.tag}.txt")
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print(lines[0])
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _frame_name(name):
+    """``path(line): function`` of a profiler Python event, the path from its library on."""
+    return name.split(os.sep + "site-packages" + os.sep)[-1].split(os.sep + "main" + os.sep)[-1]
+
+
+def gap_sites(trace, min_gap_us=5.0):
+    """GPU idle time in a chrome trace of torch's profiler, charged to the launching thread's Python stack.
+
+    Returns (busy us, idle us, {own site: idle us}, {innermost site: idle us}): an idle interval between two
+    GPU events goes to the Python functions open, in the middle of the interval, on the thread that
+    launches the event after it; "own" is the innermost DeepSpeed or zero3_ac function there."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation")) for e in events
+                 if e.get("cat") in GPU_CATEGORIES)
+    launcher = {e["args"]["correlation"]: e["tid"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    frames = {}
+    for e in events:
+        if e.get("cat") == "python_function":
+            frames.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0), _frame_name(e["name"])))
+    for stack in frames.values():
+        stack.sort()
+    own, innermost = {}, {}
+    busy = idle = 0.0
+    end = None
+    for start, stop, correlation in gpu:
+        if end is not None and start - end >= min_gap_us:
+            gap = start - end
+            idle += gap
+            middle = end + gap / 2
+            open_frames = [f for f in frames.get(launcher.get(correlation), ()) if f[0] <= middle <= f[1]]
+            open_frames.sort(key=lambda f: (f[0], -f[1]))
+            inner = open_frames[-1][2] if open_frames else "(no Python frame)"
+            ours = next((f[2] for f in reversed(open_frames)
+                         if f[2].startswith(("deepspeed" + os.sep, "zero3_ac" + os.sep))), "(none)")
+            own[ours] = own.get(ours, 0.0) + gap
+            innermost[inner] = innermost.get(inner, 0.0) + gap
+        if end is None or stop > end:
+            busy += stop - max(start, end if end is not None else start)
+            end = stop
+    return busy, idle, own, innermost
+
+
+def idle_gaps(args, step, step_s):
+    import json
+    import tempfile
+    import traceback
+    sync_sites = {}
+
+    def on_warning(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if (os.sep + "deepspeed" + os.sep) in f.filename
+                  or (os.sep + "zero3_ac" + os.sep) in f.filename]
+        site = f"{_frame_name(frames[-1].filename)}:{frames[-1].lineno}({frames[-1].name})" if frames else "(model)"
+        sync_sites[site] = sync_sites.get(site, 0) + 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = on_warning
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    step()
+    torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = shown
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, with_stack=True) as profile:
+        for _ in range(args.profiled):
+            step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as handle:
+        profile.export_chrome_trace(handle.name)
+        with open(handle.name) as trace_file:
+            trace = json.load(trace_file)
+    busy, idle, own, innermost = gap_sites(trace)
+    per_step = 1e3 * args.profiled  # us over the profiled steps -> ms per step
+    lines = [f"{args.tag}: system {args.system}, unprofiled step {step_s:.4f} s; profiled steps: GPU busy "
+             f"{busy / per_step:.1f} ms, idle {idle / per_step:.1f} ms a step (gaps of 5 us or more)", "",
+             "synchronizing calls in one step (set_sync_debug_mode), by DeepSpeed or zero3_ac line:"]
+    lines += [f"{count:8d}  {site}" for site, count in sorted(sync_sites.items(), key=lambda item: -item[1])]
+    lines += ["", " idle ms/step  innermost DeepSpeed or zero3_ac function open on the launching thread"]
+    lines += [f"{us / per_step:13.2f}  {site}" for site, us in sorted(own.items(), key=lambda item: -item[1])[:40]]
+    lines += ["", " idle ms/step  innermost function open on the launching thread"]
+    lines += [f"{us / per_step:13.2f}  {site}" for site, us in sorted(innermost.items(), key=lambda item: -item[1])[:40]]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"gaps-{args.tag}.txt")
     with open(path, "w") as handle:
         handle.write("\n".join(lines) + "\n")
     print(lines[0])
