@@ -56,6 +56,7 @@ def _patches():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from zero3_ac.runtime import engine as fork_engine
     from zero3_ac.runtime import utils as fork_utils
+    from zero3_ac.runtime.comm import coalesced_collectives as fork_coalesced_collectives
     from zero3_ac.runtime.zero import borrowed_params
     from zero3_ac.runtime.zero import coalesced_copy_out
     from zero3_ac.runtime.zero import linear as fork_linear
@@ -89,6 +90,7 @@ def _patches():
         _wrapping(DeepSpeedEngine, "_forward_epilogue", fork_engine.forward_epilogue),
         (LinearFunctionForZeroStage3, "forward", fork_linear.replacement_forward(LinearFunctionForZeroStage3)),
         (stock_stage3, "count_used_parameters_in_backward", fork_utils.count_used_parameters_in_backward),
+        (stock_stage3, "reduce_scatter_coalesced", fork_coalesced_collectives.reduce_scatter_coalesced),
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
           for name in ("reduce_ready_partitions_and_remove_grads", "partition_grads",
                        "independent_gradient_partition_epilogue", "zero_grad")),

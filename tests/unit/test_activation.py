@@ -22,6 +22,7 @@ PATCHED = [("deepspeed.runtime.zero.parameter_offload", "DeepSpeedZeRoOffload", 
            ("deepspeed.runtime.zero.parameter_offload", None, "iter_params"),
            ("deepspeed.runtime.zero.partition_parameters", None, "print_rank_0"),
            ("deepspeed.runtime.zero.stage3", None, "print_rank_0"),
+           ("deepspeed.runtime.zero.stage3", None, "reduce_scatter_coalesced"),
            ("deepspeed.runtime.zero.partition_parameters", "AllGatherCoalescedHandle", "wait"),
            *([("deepspeed.runtime.zero.partition_parameters", "Init", "_allgather_params_coalesced")]
              if coalesced_gather_waits_for_last_only() else [])]

@@ -24,17 +24,26 @@ class StackWithScalarHead(CheckpointedStack):
         return super().forward(x) + self.scalar(x).pow(2).mean()
 
 
-def partitions_case(through_upstream):
+def partitions_case(through_upstream, upstream_reduce_scatter=False):
+    """One backward's gradient partitions; upstream's copy into them and upstream's reduce-scatter when asked."""
     import deepspeed.comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero import stage3
     from zero3_ac.runtime.zero import stage3_gradients
     assert_fork_state()
+    fork_copy, fork_reduce_scatter = stage3_gradients._copy_into_partitions, stage3.reduce_scatter_coalesced
     if through_upstream:
         stage3_gradients._copy_into_partitions = lambda optimizer, stock, params, grads: stock(optimizer, params, grads)
-    torch.manual_seed(3)
-    engine = make_engine(StackWithScalarHead(), zero_config(3))
-    optimizer = engine.optimizer
-    row = micro_batches(1, dist.get_world_size(), seed=4)[0]
-    engine(row[0]).backward()
+    if upstream_reduce_scatter:
+        stage3.reduce_scatter_coalesced = coalesced_collectives.reduce_scatter_coalesced
+    try:
+        torch.manual_seed(3)
+        engine = make_engine(StackWithScalarHead(), zero_config(3))
+        optimizer = engine.optimizer
+        row = micro_batches(1, dist.get_world_size(), seed=4)[0]
+        engine(row[0]).backward()
+    finally:  # the workers outlive the test
+        stage3_gradients._copy_into_partitions, stage3.reduce_scatter_coalesced = fork_copy, fork_reduce_scatter
     name_of = {param.ds_id: name for name, param in engine.module.named_parameters()}  # ds_ids run on across cases
     partitions = {name_of[ds_id]: partition.clone() for ds_id, partition in getattr(optimizer, _PARTITIONS).items()}
     active = sorted(name_of[ds_id] for ds_id in getattr(optimizer, "_offload_boundary_param_ids", ()))
