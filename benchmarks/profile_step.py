@@ -223,6 +223,19 @@ def launch_counts(events, steps):
     return device, operators
 
 
+def _ranked(table, limit):
+    """``(key, value)`` of ``table``, largest values first, at most ``limit``."""
+    return sorted(table.items(), key=lambda item: -item[1])[:limit]
+
+
+def _write_report(args, kind, lines):
+    """``lines`` into ``OUT/KIND-TAG.txt``; prints the first."""
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{kind}-{args.tag}.txt"), "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    print(lines[0])
+
+
 def count_launches(args, step, step_s):
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
@@ -232,14 +245,10 @@ def count_launches(args, step, step_s):
     lines = [f"{args.tag}: system {args.system}, unprofiled step {step_s:.4f} s; per step: "
              f"{sum(device.values()):.0f} CUDA kernels and copies, {sum(operators.values()):.0f} aten operators "
              f"({args.profiled} profiled steps)", "", "  per step  CUDA kernel or copy"]
-    lines += [f"{count:10.1f}  {name[:150]}" for name, count in sorted(device.items(), key=lambda item: -item[1])[:60]]
+    lines += [f"{count:10.1f}  {name[:150]}" for name, count in _ranked(device, 60)]
     lines += ["", "  per step  aten operator"]
-    lines += [f"{count:10.1f}  {name}" for name, count in sorted(operators.items(), key=lambda item: -item[1])[:80]]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"kernels-{args.tag}.txt")
-    with open(path, "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print(lines[0])
+    lines += [f"{count:10.1f}  {name}" for name, count in _ranked(operators, 80)]
+    _write_report(args, "kernels", lines)
 
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -320,16 +329,12 @@ def idle_gaps(args, step, step_s):
     lines = [f"{args.tag}: system {args.system}, unprofiled step {step_s:.4f} s; profiled steps: GPU busy "
              f"{busy / per_step:.1f} ms, idle {idle / per_step:.1f} ms a step (gaps of 5 us or more)", "",
              "synchronizing calls in one step (set_sync_debug_mode), by DeepSpeed or zero3_ac line:"]
-    lines += [f"{count:8d}  {site}" for site, count in sorted(sync_sites.items(), key=lambda item: -item[1])]
+    lines += [f"{count:8d}  {site}" for site, count in _ranked(sync_sites, len(sync_sites))]
     lines += ["", " idle ms/step  innermost DeepSpeed or zero3_ac function open on the launching thread"]
-    lines += [f"{us / per_step:13.2f}  {site}" for site, us in sorted(own.items(), key=lambda item: -item[1])[:40]]
+    lines += [f"{us / per_step:13.2f}  {site}" for site, us in _ranked(own, 40)]
     lines += ["", " idle ms/step  innermost function open on the launching thread"]
-    lines += [f"{us / per_step:13.2f}  {site}" for site, us in sorted(innermost.items(), key=lambda item: -item[1])[:40]]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"gaps-{args.tag}.txt")
-    with open(path, "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    print(lines[0])
+    lines += [f"{us / per_step:13.2f}  {site}" for site, us in _ranked(innermost, 40)]
+    _write_report(args, "gaps", lines)
 
 
 if __name__ == "__main__":
