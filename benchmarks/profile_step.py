@@ -255,8 +255,13 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def _frame_name(name):
-    """``path(line): function`` of a profiler Python event, the path from its library on."""
-    return name.split(os.sep + "site-packages" + os.sep)[-1].split(os.sep + "main" + os.sep)[-1]
+    """``path(line): function`` of a Python frame or profiler event, its path from its library's folder on
+    (the profiler names most frames that way already)."""
+    for library, part in LIBRARIES:
+        index = name.find(part)
+        if index >= 0:
+            return name[index + len(part) - len(library) - 1:]
+    return name
 
 
 def gap_sites(trace, min_gap_us=5.0):
@@ -309,13 +314,14 @@ def idle_gaps(args, step, step_s):
         site = f"{_frame_name(frames[-1].filename)}:{frames[-1].lineno}({frames[-1].name})" if frames else "(model)"
         sync_sites[site] = sync_sites.get(site, 0) + 1
 
-    shown = warnings.showwarning
-    warnings.showwarning = on_warning
-    warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
-    step()
-    torch.cuda.set_sync_debug_mode("default")
-    warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores the filters and showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = on_warning
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, with_stack=True) as profile:
         for _ in range(args.profiled):
