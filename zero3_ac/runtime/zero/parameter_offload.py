@@ -56,6 +56,7 @@ import weakref
 import torch
 from deepspeed.runtime.zero import parameter_offload as upstream
 from deepspeed.runtime.zero.partition_parameters import register_external_parameter, unregister_external_parameter
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 from deepspeed.runtime.zero.utils import apply_to_tensors_only, is_zero_param
 from deepspeed.utils import logger, z3_leaf_module
 
@@ -65,6 +66,8 @@ from zero3_ac.runtime.zero.invocation_lifecycle import Phase, State
 from zero3_ac.runtime.zero.partitioned_param_coordinator import InvocationParams, module_params
 from zero3_ac.runtime.zero.zero_ordered_dict import use_lifecycle_getter
 from zero3_ac.utils.z3_leaf_module import mark_gather_units, user_leaves_at
+
+_UPSTREAM_RELEASE_AND_RESET_ALL = PartitionedParameterCoordinator.release_and_reset_all
 
 LIFECYCLE_ATTR = "_zero3_ac_hooks"
 
@@ -591,8 +594,15 @@ def release_backward_leftovers(offload, stock):
 
 
 def partition_all_parameters(offload, stock):
-    """Extends ``DeepSpeedZeRoOffload.partition_all_parameters``: forget every hold first."""
+    """Replacement of ``DeepSpeedZeRoOffload.partition_all_parameters``: forget every hold, then release
+    and check every param in one pass (Note [The step boundary's release in one pass] in
+    partitioned_param_coordinator.py); upstream's where the coordinator's ``release_and_reset_all`` is
+    not upstream's own."""
     hooks = lifecycle_hooks(offload)
-    if hooks is not None:
-        hooks.end_of_backward()
-    return stock(offload)
+    if hooks is None:
+        return stock(offload)
+    hooks.end_of_backward()
+    coordinator = offload.get_param_coordinator()
+    if getattr(coordinator.release_and_reset_all, "__func__", None) is not _UPSTREAM_RELEASE_AND_RESET_ALL:
+        return stock(offload)
+    hooks.params.release_and_reset_all(offload.module)

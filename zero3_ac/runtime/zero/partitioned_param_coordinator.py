@@ -144,6 +144,19 @@ class CoordinatorTap:
         in one phase. Where something wrapped the coordinator's ``__release_param`` after the fork
         did, the lifecycle calls it for each param, so that the wrapper sees every release.
 
+    Note: [The step boundary's release in one pass]
+        ZeRO-3's ``step()`` begins with ``partition_all_parameters``: upstream's ``release_and_reset_all``
+        walks every param of the model, waiting on its in-flight gather, clearing its set of active
+        modules and calling ``__release_param``, and both then walk every param again to check that it is
+        partitioned: three walks and some five Python frames per param at every step, on an idle GPU
+        (an 8B LoRA model has about 1,000 params). Under the fork the drain has released what the
+        lifecycle held just before; the fork then does the same to the cached list of the model's params
+        in one pass: the coordinator's in-flight gathers waited on and released, every set of active
+        modules cleared, the gathered params released with ``release_all`` (persistent ones too, as
+        upstream does), the same check and error. A plain torch param (its module attached after
+        ``initialize``) fails the step with an error that names it, where upstream fails on its
+        missing ``ds_active_sub_modules``.
+
     Under the fork, a param whose partition is the whole param is gathered and released by the tap's
     ``whole_shards`` instead of upstream (Note [A shard that is the whole param] in whole_param_shards.py),
     and any other param whose partition stays as it is is released by its ``kept_partitions`` (Note [A
@@ -390,6 +403,25 @@ class InvocationParams:
         self.coordinator._clean_inflight_param_registry()
         swept = self.release_unheld(root_module)
         self.accounting.record_drain(report.invocations, len(report.params), swept)
+
+    def release_and_reset_all(self, root_module) -> None:
+        """Upstream's ``release_and_reset_all`` and the check after it in ``partition_all_parameters``, in one
+        pass over the cached params (Note [The step boundary's release in one pass])."""
+        params = zero_model_params(root_module)
+        if len(params) != len(model_params(root_module)):
+            plain = next(param for param in model_params(root_module) if not is_zero_param(param))
+            raise RuntimeError(
+                f"zero3_ac: a param of shape {tuple(plain.shape)} is a plain torch param, not a ZeRO-3 one: its module "
+                "was attached to the model after deepspeed.initialize, so ZeRO-3 neither partitions it nor "
+                "gives it to the optimizer. Attach modules before deepspeed.initialize (stock DeepSpeed fails "
+                "here too, in release_and_reset_all).")
+        self.coordinator._clean_inflight_param_registry()
+        for param in params:
+            param.ds_active_sub_modules.clear()
+        self._release_all(params)
+        for param in params:
+            if param.ds_status != _NOT_AVAILABLE:
+                raise RuntimeError(f"{param.ds_summary()} expected to be released")
 
     def release_unheld(self, root_module) -> int:
         """Release every gathered param that nothing holds (persistent and external ones excepted);

@@ -1,5 +1,7 @@
 """The coordinator's cached ``iter_params`` (partitioned_param_coordinator.py): the same params as upstream's."""
 
+import contextlib
+
 import torch
 from deepspeed.runtime.zero.partitioned_param_coordinator import get_all_parameters
 from deepspeed.utils import set_z3_leaf_module
@@ -198,3 +200,119 @@ def test_a_leaf_nothing_reuses_is_released_at_its_forward_end():
     from tests.unit.common import run_distributed
     [gathered] = run_distributed(1, leaf_status_after_forward_case)
     assert gathered == [[False] * 4] * 3, f"tower params still gathered after each step's forward: {gathered}"
+
+
+def step_boundary_case():
+    """Three steps of a fork engine and of its stock twin; before each ``step()``, a param gathered
+    outside any hook and left with a module's id in its set of active modules, as stock code can leave one."""
+    import copy
+
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from tests.unit.runtime.zero.zero_case import (DIM, CheckpointedStack, assert_fork_state, make_engine,
+                                                   micro_batches, named_values, stock_deepspeed, zero_config)
+    assert_fork_state()
+    torch.manual_seed(47)
+    model = CheckpointedStack(blocks=2, use_reentrant=True)  # stock before 0.19.3 fails non-reentrant ones
+    twin = copy.deepcopy(model)
+    config = zero_config(3, persistence=DIM)  # the norms' weights and biases and the biases are persistent
+    rank = dist.get_rank()
+    results = []
+    for engine_model, stock in ((model, False), (twin, True)):
+        with stock_deepspeed() if stock else contextlib.nullcontext():
+            engine = make_engine(engine_model, config)
+        losses, left = [], []
+        for row in micro_batches(3, dist.get_world_size(), requires_grad=True):
+            loss = engine(row[rank])
+            engine.backward(loss)
+            engine.module.head.weight.all_gather()
+            engine.module.head.weight.ds_active_sub_modules.add(10**6)
+            engine.step()
+            losses.append(loss.detach())
+            left.append([
+                name for name, param in engine.module.named_parameters()
+                if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_active_sub_modules
+            ])
+        available = engine.optimizer.parameter_offload.get_param_coordinator(
+        )._PartitionedParameterCoordinator__n_available_params
+        results.append((torch.stack(losses), named_values(engine), left, available))
+        engine.destroy()
+    return results
+
+
+def test_a_step_releases_and_resets_every_param_as_stock_does():
+    """Note [The step boundary's release in one pass]: after each ``step()`` the params stock leaves gathered
+    (persistent ones the step gathers again) and no other are gathered, no module is active on any, the
+    coordinator counts what stock counts, and training is stock's bit for bit."""
+    from tests.unit.common import run_distributed
+    for (losses, values, left, available), (stock_losses, stock_values, stock_left, stock_available) in run_distributed(
+            2, step_boundary_case):
+        assert left == stock_left, f"params left gathered or active after step(): {left}, stock {stock_left}"
+        assert all("head.weight" not in names for names in left), left
+        assert available == stock_available, f"available elements counted: {available}, stock {stock_available}"
+        assert torch.equal(losses, stock_losses), f"losses {losses.tolist()} against stock's {stock_losses.tolist()}"
+        for name, value in stock_values.items():
+            assert torch.equal(values[name], value), f"{name} differs from stock's"
+
+
+def wrapped_release_and_reset_all_case():
+    import zero3_ac
+
+    from tests.unit.runtime.zero.zero_case import CheckpointedStack, assert_partitioned, make_engine, zero_config
+    if not zero3_ac.is_active():
+        return "skipped"
+    torch.manual_seed(48)
+    engine = make_engine(CheckpointedStack(blocks=2), zero_config(3))
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    calls = []
+    upstream = coordinator.release_and_reset_all
+
+    def wrapper(module):
+        calls.append(module)
+        return upstream(module)
+
+    coordinator.release_and_reset_all = wrapper
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 16)))
+        engine.step()
+    assert_partitioned(engine, "after step()")
+    engine.destroy()
+    return len(calls)
+
+
+def test_a_wrapped_release_and_reset_all_still_runs_at_each_step():
+    """Whoever wraps the coordinator's ``release_and_reset_all`` sees every step boundary: the fork's
+    one pass stands aside for it."""
+    from tests.unit.common import run_distributed
+    assert run_distributed(1, wrapped_release_and_reset_all_case) in ([2], ["skipped"])
+
+
+def plain_param_at_step_case():
+    import zero3_ac
+    from deepspeed.runtime.zero import parameter_offload
+
+    from tests.unit.runtime.zero.test_setups import OptionalTail
+    from tests.unit.runtime.zero.zero_case import DIM, make_engine, zero_config
+    if not zero3_ac.is_active() or not hasattr(parameter_offload, "ensure_zero_ordered_dict"):
+        return "skipped"  # stock, or a DeepSpeed whose forward prologue fails on a module attached after initialize
+    torch.manual_seed(49)
+    engine = make_engine(OptionalTail(), zero_config(3))
+    engine.module.late = torch.nn.Linear(DIM, DIM)
+    engine.backward(engine(torch.randn(2, DIM)))
+    try:
+        engine.step()
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+    return "step() passed"
+
+
+def test_a_step_names_a_module_attached_after_initialize():
+    """A plain torch param at the step boundary fails with an error that says why and what to do (stock
+    fails there with an ``AttributeError`` on ``ds_active_sub_modules``)."""
+    from tests.unit.common import run_distributed
+    [message] = run_distributed(1, plain_param_at_step_case)
+    assert message == "skipped" or ("attached to the model after deepspeed.initialize" in message
+                                    and "Attach modules before deepspeed.initialize" in message), message

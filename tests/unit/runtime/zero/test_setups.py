@@ -19,7 +19,7 @@ from tests.unit.runtime.zero.test_selective_checkpointing import SEQUENCE, Selec
 from tests.unit.runtime.zero.zero_case import (DIM, LR, CheckpointedStack, assert_close_deltas, assert_fork_state,
                                                assert_nothing_drained, assert_partitioned, fork_disabled,
                                                hpz_group_forgotten_at_exit, make_engine, micro_batches, named_values,
-                                               reference_deltas, torch_linear, zero_config)
+                                               reference_deltas, stock_deepspeed, torch_linear, zero_config)
 
 WORLD_SIZE = 2
 
@@ -182,20 +182,6 @@ def train_steps(model, config, optimizer_class, batches):
         engine.step()
         losses.append(loss.detach().clone())
     return engine, torch.stack(losses), named_values(engine)
-
-
-@contextlib.contextmanager
-def stock_deepspeed():
-    """Stock DeepSpeed for the engines created inside (``zero3_ac.remove()``, then ``apply()`` again)."""
-    import zero3_ac
-    active = zero3_ac.is_active()
-    if active:
-        zero3_ac.remove()
-    try:
-        yield
-    finally:
-        if active:
-            zero3_ac.apply()
 
 
 @contextlib.contextmanager

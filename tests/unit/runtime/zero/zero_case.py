@@ -76,6 +76,20 @@ def hpz_group_forgotten_at_exit():
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
 
+@contextlib.contextmanager
+def stock_deepspeed():
+    """Stock DeepSpeed for the engines created inside (``zero3_ac.remove()``, then ``apply()`` again)."""
+    import zero3_ac
+    active = zero3_ac.is_active()
+    if active:
+        zero3_ac.remove()
+    try:
+        yield
+    finally:
+        if active:
+            zero3_ac.apply()
+
+
 def fork_disabled() -> bool:
     return os.environ.get("ZERO3_AC_DISABLE", "") not in ("", "0")
 
