@@ -13,7 +13,9 @@ Note: [When a call's backward starts and ends]
       an identity Function of its own, so that its gradient is this call's alone (an input shared
       with other modules would otherwise wait for them too), and a multi-grad hook in "all" mode
       fires once the gradients that this graph task will compute for them are computed. Inputs
-      whose gradient the task never computes are skipped by the hook, not waited for.
+      whose gradient the task never computes are skipped by the hook, not waited for. The
+      identity Function of a call's only grad-requiring input closes the slot itself (Note [One
+      grad-requiring input]).
     - A call with no grad-requiring input (a LoRA adapter fed a frozen layer's output) has no
       input gradient to wait for: its backward is done when the trainable params under the module
       have their gradients accumulated, and a post-accumulate-grad hook closes it then.
@@ -91,27 +93,42 @@ class _OpenSlotOnGrad(torch.autograd.Function):
         return None, None, grad
 
 
+class _SlotCloser:
+    """What an input's boundary node closes in its backward: the slot of a call with one grad-requiring
+    input, once it exists and until the slot is forgotten. It holds no tensor, so the node that holds it
+    keeps nothing of the call alive."""
+    __slots__ = ("hooks", "slot")
+
+    def __init__(self):
+        self.hooks = self.slot = None
+
+
 class _GradBoundary(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, tensor):
+    def forward(ctx, closer, tensor):
+        ctx.closer = closer
         return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        closer = ctx.closer
+        if closer.slot is not None:
+            closer.hooks.close_slot(closer.slot)
+        return None, grad
 
 
 class _SlotContext:
     """Driver data of one backward slot: the nodes that open it, the trainable params it awaits,
     and the multi-grad hook on its call's inputs."""
-    __slots__ = ("open_nodes", "awaited_params", "awaiting_grads", "input_hook")
+    __slots__ = ("open_nodes", "awaited_params", "awaiting_grads", "input_hook", "input_closer")
 
-    def __init__(self, awaited_params=(), input_hook=None):
+    def __init__(self, awaited_params=(), input_hook=None, input_closer=None):
         self.open_nodes = []
         self.awaited_params = tuple(awaited_params)
         self.awaiting_grads = set(awaited_params)
         self.input_hook = input_hook
+        self.input_closer = input_closer
 
     def will_open(self) -> bool:
         for ref in self.open_nodes:
@@ -155,11 +172,12 @@ def _slot_will_open(slot) -> bool:
 
 class _InputBoundary:
     """The grad-requiring inputs of one forward call, and the slot they close once it exists."""
-    __slots__ = ("wrapped", "slot", "_by_id")
+    __slots__ = ("wrapped", "slot", "closer", "_by_id")
 
     def __init__(self):
         self.wrapped = []
         self.slot = None
+        self.closer = _SlotCloser()
         self._by_id = {}
 
     def wrap(self, tensor):
@@ -168,11 +186,29 @@ class _InputBoundary:
             return tensor
         wrapped = self._by_id.get(id(tensor))
         if wrapped is None:
-            wrapped = self._by_id[id(tensor)] = _GradBoundary.apply(tensor)
+            wrapped = self._by_id[id(tensor)] = _GradBoundary.apply(self.closer, tensor)
             self.wrapped.append(wrapped)
         return wrapped
 
-    def close_slot_when_done(self, hooks):
+    def close_slot_when_done(self, hooks, slot):
+        """Make the call's inputs close ``slot`` once the backward has computed their gradients.
+
+        Note: [One grad-requiring input]
+            A call with one grad-requiring input (a decoder layer's hidden states) needs no
+            multi-grad hook: its gradient is done when autograd runs the input's boundary node, so
+            that node's backward closes the slot (the ``_SlotCloser`` it holds), as a multi-grad
+            hook over the one tensor would, in the same node. A forgotten slot disarms its closer.
+            Several inputs get torch's multi-grad hook in "all" mode (see [When a call's backward
+            starts and ends]). Returns ``(hook handle, closer)``, one of them None.
+        """
+        self.slot = slot
+        if len(self.wrapped) == 1:
+            self.wrapped, self._by_id = None, None
+            self.closer.hooks, self.closer.slot = hooks, slot
+            return None, self.closer
+        return self._multi_grad_hook(hooks), None
+
+    def _multi_grad_hook(self, hooks):
         """Register the multi-grad hook; returns its handle, which the caller must remove.
 
         Note: [Removing the input hooks]
@@ -371,8 +407,8 @@ class ModuleInvocationHooks:
         """
         if boundary is not None:
             slot = self.lifecycle.new_slot(module)
-            slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self))
-            boundary.slot = slot
+            input_hook, input_closer = boundary.close_slot_when_done(self, slot)
+            slot.context = _SlotContext(input_hook=input_hook, input_closer=input_closer)
             return slot
         # Note: [Calls with nothing to hold]
         #     A call with no grad-requiring input waits for the gradients of every trainable param
@@ -507,6 +543,9 @@ class ModuleInvocationHooks:
                 slots.remove(slot)
                 if not slots:
                     del self._slots_awaiting_grad[param]
+        if context.input_closer is not None:
+            context.input_closer.slot = None
+            context.input_closer = None
         if context.input_hook is not None:
             if remove_hook_now:
                 context.input_hook.remove()
