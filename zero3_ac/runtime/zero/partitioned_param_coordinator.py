@@ -150,11 +150,11 @@ class CoordinatorTap:
         modules and calling ``__release_param``, and both then walk every param again to check that it is
         partitioned: three walks and some five Python frames per param at every step, on an idle GPU
         (an 8B LoRA model has about 1,000 params). Under the fork the drain has released what the
-        lifecycle held just before; the fork then does the same to the cached list of the model's params
-        in one pass: the coordinator's in-flight gathers waited on and released, every set of active
-        modules cleared, the gathered params released with ``release_all`` (persistent ones too, as
-        upstream does), the same check and error. A plain torch param (its module attached after
-        ``initialize``) fails the step with an error that names it, where upstream fails on its
+        lifecycle held just before; the fork then does the same to the cached list of the model's params,
+        with no Python frame per param: the coordinator's in-flight gathers waited on and released, every
+        set of active modules cleared, the gathered params released in one ``release_all`` (persistent
+        ones too, as upstream does), the same check and error. A plain torch param (its module attached
+        after ``initialize``) fails the step with an error that names it, where upstream fails on its
         missing ``ds_active_sub_modules``.
 
     Under the fork, a param whose partition is the whole param is gathered and released by the tap's
@@ -405,16 +405,15 @@ class InvocationParams:
         self.accounting.record_drain(report.invocations, len(report.params), swept)
 
     def release_and_reset_all(self, root_module) -> None:
-        """Upstream's ``release_and_reset_all`` and the check after it in ``partition_all_parameters``, in one
-        pass over the cached params (Note [The step boundary's release in one pass])."""
+        """Upstream's ``release_and_reset_all`` and the check after it in ``partition_all_parameters``, over
+        the cached params (Note [The step boundary's release in one pass])."""
         params = zero_model_params(root_module)
         if len(params) != len(model_params(root_module)):
-            plain = next(param for param in model_params(root_module) if not is_zero_param(param))
+            name = next((name for name, param in root_module.named_parameters() if not is_zero_param(param)), "?")
             raise RuntimeError(
-                f"zero3_ac: a param of shape {tuple(plain.shape)} is a plain torch param, not a ZeRO-3 one: its module "
-                "was attached to the model after deepspeed.initialize, so ZeRO-3 neither partitions it nor "
-                "gives it to the optimizer. Attach modules before deepspeed.initialize (stock DeepSpeed fails "
-                "here too, in release_and_reset_all).")
+                f"zero3_ac: {name} is a plain torch param, not a ZeRO-3 one: its module was attached to the model "
+                "after deepspeed.initialize, so ZeRO-3 neither partitions it nor gives it to the optimizer. Attach "
+                "modules before deepspeed.initialize (stock DeepSpeed fails here too, in release_and_reset_all).")
         self.coordinator._clean_inflight_param_registry()
         for param in params:
             param.ds_active_sub_modules.clear()

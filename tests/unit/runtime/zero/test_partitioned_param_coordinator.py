@@ -314,5 +314,5 @@ def test_a_step_names_a_module_attached_after_initialize():
     fails there with an ``AttributeError`` on ``ds_active_sub_modules``)."""
     from tests.unit.common import run_distributed
     [message] = run_distributed(1, plain_param_at_step_case)
-    assert message == "skipped" or ("attached to the model after deepspeed.initialize" in message
+    assert message == "skipped" or (message.startswith("zero3_ac: late.weight is a plain torch param")
                                     and "Attach modules before deepspeed.initialize" in message), message
