@@ -1,4 +1,5 @@
-"""The coordinator's cached ``iter_params`` (partitioned_param_coordinator.py): the same params as upstream's."""
+"""partitioned_param_coordinator.py: the cached ``iter_params`` (the same params as upstream's), the tap's releases,
+reuse distance per fetch, and the step boundary's release in one pass (stock's outcome)."""
 
 import contextlib
 
