@@ -95,12 +95,15 @@ class _OpenSlotOnGrad(torch.autograd.Function):
 
 class _SlotCloser:
     """What an input's boundary node closes in its backward: the slot of a call with one grad-requiring
-    input, once it exists and until the slot is forgotten. It holds no tensor, so the node that holds it
-    keeps nothing of the call alive."""
+    input, once it exists and until it is removed as a multi-grad hook's handle would be. It holds no
+    tensor, so the node that holds it keeps nothing of the call alive."""
     __slots__ = ("hooks", "slot")
 
     def __init__(self):
         self.hooks = self.slot = None
+
+    def remove(self):
+        self.slot = None
 
 
 class _GradBoundary(torch.autograd.Function):
@@ -121,14 +124,13 @@ class _GradBoundary(torch.autograd.Function):
 class _SlotContext:
     """Driver data of one backward slot: the nodes that open it, the trainable params it awaits,
     and the multi-grad hook on its call's inputs."""
-    __slots__ = ("open_nodes", "awaited_params", "awaiting_grads", "input_hook", "input_closer")
+    __slots__ = ("open_nodes", "awaited_params", "awaiting_grads", "input_hook")
 
-    def __init__(self, awaited_params=(), input_hook=None, input_closer=None):
+    def __init__(self, awaited_params=(), input_hook=None):
         self.open_nodes = []
         self.awaited_params = tuple(awaited_params)
         self.awaiting_grads = set(awaited_params)
         self.input_hook = input_hook
-        self.input_closer = input_closer
 
     def will_open(self) -> bool:
         for ref in self.open_nodes:
@@ -197,16 +199,17 @@ class _InputBoundary:
             A call with one grad-requiring input (a decoder layer's hidden states) needs no
             multi-grad hook: its gradient is done when autograd runs the input's boundary node, so
             that node's backward closes the slot (the ``_SlotCloser`` it holds), as a multi-grad
-            hook over the one tensor would, in the same node. A forgotten slot disarms its closer.
-            Several inputs get torch's multi-grad hook in "all" mode (see [When a call's backward
-            starts and ends]). Returns ``(hook handle, closer)``, one of them None.
+            hook over the one tensor would, in the same node. The closer stands in for the hook's
+            handle: removing it disarms it. Several inputs get torch's multi-grad hook in "all" mode
+            (see [When a call's backward starts and ends]). Returns the handle, which the caller must
+            remove.
         """
         self.slot = slot
         if len(self.wrapped) == 1:
             self.wrapped, self._by_id = None, None
             self.closer.hooks, self.closer.slot = hooks, slot
-            return None, self.closer
-        return self._multi_grad_hook(hooks), None
+            return self.closer
+        return self._multi_grad_hook(hooks)
 
     def _multi_grad_hook(self, hooks):
         """Register the multi-grad hook; returns its handle, which the caller must remove.
@@ -407,8 +410,7 @@ class ModuleInvocationHooks:
         """
         if boundary is not None:
             slot = self.lifecycle.new_slot(module)
-            input_hook, input_closer = boundary.close_slot_when_done(self, slot)
-            slot.context = _SlotContext(input_hook=input_hook, input_closer=input_closer)
+            slot.context = _SlotContext(input_hook=boundary.close_slot_when_done(self, slot))
             return slot
         # Note: [Calls with nothing to hold]
         #     A call with no grad-requiring input waits for the gradients of every trainable param
@@ -543,9 +545,6 @@ class ModuleInvocationHooks:
                 slots.remove(slot)
                 if not slots:
                     del self._slots_awaiting_grad[param]
-        if context.input_closer is not None:
-            context.input_closer.slot = None
-            context.input_closer = None
         if context.input_hook is not None:
             if remove_hook_now:
                 context.input_hook.remove()
