@@ -52,6 +52,8 @@ def cell(counter, error):
     total = sum(counter.values())
     if not total:
         return "n/a"
+    if not counter["failed"] and not counter["passed"]:
+        return "skipped"
     if not counter["failed"]:
         return f"pass ({counter['passed']}/{total})"
     return f"**FAIL** {counter['failed']}/{total} ({error})"
