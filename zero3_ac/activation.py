@@ -65,6 +65,7 @@ def _patches():
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
     from zero3_ac.runtime.zero import stage3_gradients
+    from zero3_ac.runtime.zero import stage3_sub_group_gradients
     from zero3_ac.runtime.zero import stock_engines
 
     def _register_deepspeed_module(self, stock, module, *args, **kwargs):
@@ -94,6 +95,8 @@ def _patches():
         *(_wrapping(DeepSpeedZeroOptimizer_Stage3, name, getattr(stage3_gradients, name))
           for name in ("reduce_ready_partitions_and_remove_grads", "partition_grads",
                        "independent_gradient_partition_epilogue", "zero_grad")),
+        _wrapping(DeepSpeedZeroOptimizer_Stage3, "_prepare_fp32_grad_for_sub_group",
+                  stage3_sub_group_gradients.prepare_fp32_grad_for_sub_group),
     ]
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",

@@ -35,6 +35,15 @@ Note: [torch's own linear inside a checkpoint]
     ``zero3_linear_wrap`` (which DeepSpeed 0.19.3+ installs as ``torch.nn.functional.linear`` at
     ``initialize``, earlier releases inside ``zero.Init``) and ``LinearModuleForZeroStage3`` both take it.
 
+Note: [Function.apply's binding]
+    ``torch.autograd.Function.apply`` of a Function that defines ``setup_context`` (upstream's, from
+    0.19.1) first binds the call's arguments to the signature of ``forward`` with
+    ``inspect.signature``, some fifty Python calls, to fill in defaults; then, with no functorch
+    transform active, it unwraps dead functorch wrappers and calls the C ``apply``. The fork always
+    passes all three arguments (``bias`` as None where there is none), so the binding returns them
+    unchanged: outside functorch transforms it makes the same unwrapping and the same C call
+    directly. Under a transform it calls ``Function.apply`` itself.
+
 For a weight of an engine left to stock (Note [Engines left to stock] in ``runtime/engine.py``), the
 Function's ``apply`` and ``forward`` are upstream's.
 """
@@ -58,6 +67,7 @@ def forward(input, weight, bias=None):
 
 
 _FUNCTION_APPLY = torch.autograd.Function.apply.__func__
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 def apply(linear_function, input, weight, bias=None):
@@ -68,7 +78,11 @@ def apply(linear_function, input, weight, bias=None):
     stock_weight = getattr(weight, LEFT_TO_STOCK_ATTR, False)
     if (autograd_context.inside_checkpoint() or not torch.is_grad_enabled()) and not stock_weight:
         return getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", torch._C._nn.linear)(input, weight, bias)
-    return _FUNCTION_APPLY(linear_function, input, weight, bias)
+    if torch._C._are_functorch_transforms_active():
+        return _FUNCTION_APPLY(linear_function, input, weight, bias)
+    # Function.apply without its argument binding: every argument is passed (see [Function.apply's binding]).
+    return super(torch.autograd.Function, linear_function).apply(
+        _unwrap_if_dead(input), _unwrap_if_dead(weight), bias if bias is None else _unwrap_if_dead(bias))
 
 
 def replacement_forward(linear_function):
