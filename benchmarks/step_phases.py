@@ -1,14 +1,17 @@
-"""Where a CPU step's extra time goes: forward, backward and optimizer step timed apart, plain PyTorch against ZeRO-3.
+"""Where a step's extra time goes: forward, backward and optimizer step timed apart, plain PyTorch against ZeRO-3.
 
     ZERO3_AC_DISABLE=1 python benchmarks/step_phases.py --system plain
     python benchmarks/step_phases.py --system fork         # ZERO3_AC_DISABLE=1 ... --system stock for stock
+    python benchmarks/step_phases.py --device cuda --shape 1.1b --system fsdp2   # one GPU, the peers' 1.1B workload
 
-The CPU peer benchmark's workload (``workload.py``: the tiny Llama, PEFT LoRA r16 on every linear layer, HF
-non-reentrant checkpointing, AdamW, clipping 1.0), world size 1 (gloo), one process. After ``--warmup`` steps,
-prints the median milliseconds of each phase over ``--steps`` steps: ``forward`` (the model's or the engine's
-call), ``backward`` (``loss.backward()`` or ``engine.backward``), ``step`` (clipping, ``optimizer.step`` and
-``zero_grad``, or ``engine.step``). Run the systems one after the other, twice, and compare within a pass: the
-host's speed drifts between runs.
+The peer benchmark's workload (``workload.py``: PEFT LoRA r16 on every linear layer, HF non-reentrant
+checkpointing, AdamW, clipping 1.0; the tiny Llama in fp32 on CPU, the ``--shape`` model with a bf16 base on
+GPU, built as ``peer_worker`` builds it), world size 1 (gloo on CPU, NCCL on GPU), one process. After
+``--warmup`` steps, prints the median milliseconds of each phase over ``--steps`` steps: ``forward`` (the
+model's or the engine's call), ``backward`` (``loss.backward()`` or ``engine.backward``), ``step`` (clipping,
+``optimizer.step`` and ``zero_grad``, or ``engine.step``), and ``total``. On GPU the device is synchronized
+before each phase ends, so a phase's time holds its kernels and no other phase's. Run the systems one after
+the other, twice, and compare within a pass: the host's speed drifts between runs.
 """
 
 import argparse
@@ -24,25 +27,41 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import MODELS, build_model, zero3_config  # noqa: E402
 
+SHAPES = {"small": "tiny", "1.1b": "tinyllama", "8b": "llama3-8b"}
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--system", choices=("plain", "stock", "fork"), required=True)
+    parser.add_argument("--system", choices=("plain", "fsdp2", "stock", "fork"), required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="small")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=None, help="default 64 on CPU, 2048 on GPU")
+    parser.add_argument("--mbs", type=int, default=2)
     args = parser.parse_args()
+    gpu = args.device == "cuda"
+    seq = args.seq or (2048 if gpu else 64)
+    model_name = SHAPES[args.shape]
     warnings.filterwarnings("ignore")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", DS_ACCELERATOR="cpu",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if not gpu:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    device = "cuda:0" if gpu else "cpu"
+    dtype = torch.bfloat16 if gpu else torch.float32
     torch.manual_seed(0)
-    model = build_model("tiny", "nonreentrant", False, torch.float32)
-    trainable = [param for param in model.parameters() if param.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    if args.system == "plain":
+    if args.system in ("plain", "fsdp2"):
+        model = build_model(model_name, "nonreentrant", False, dtype, device=device).to(device=device)
+        if args.system == "fsdp2":
+            from peer_worker import fsdp2_shard
+            torch.distributed.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+            model = fsdp2_shard(model, args.device, 1, None)
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4)
         forward, backward = model, lambda loss: loss.backward()
 
         def step():
@@ -57,29 +76,38 @@ def main():
         if zero3_ac.is_active() != (args.system == "fork"):
             raise SystemExit(f"{args.system} asked for, but zero3_ac.is_active() is {zero3_ac.is_active()}: "
                              "set ZERO3_AC_DISABLE=1 for stock, unset it for the fork")
-        deepspeed.init_distributed(dist_backend="gloo")
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=zero3_config("cpu", 2, torch.float32))
+        deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo")
+        config = zero3_config(args.device, args.mbs, dtype)
+        model = build_model(model_name, "nonreentrant", False, dtype, ds_config=config if gpu else None)
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(trainable, lr=1e-4), config=config)
         forward, backward, step = engine, engine.backward, engine.step
+    synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     generator = torch.Generator().manual_seed(0)
-    times = {"forward": [], "backward": [], "step": []}
+    times = {"forward": [], "backward": [], "step": [], "total": []}
     for index in range(args.warmup + args.steps):
-        ids = torch.randint(0, MODELS["tiny"]["vocab_size"], (2, args.seq), generator=generator)
+        ids = torch.randint(0, MODELS[model_name]["vocab_size"], (args.mbs, seq), generator=generator).to(device)
+        synchronize()
         start = time.perf_counter()
         loss = forward(input_ids=ids, labels=ids).loss
+        synchronize()
         forward_end = time.perf_counter()
         backward(loss)
+        synchronize()
         backward_end = time.perf_counter()
         step()
+        synchronize()
         end = time.perf_counter()
         if index >= args.warmup:
-            for phase, seconds in zip(times, (forward_end - start, backward_end - forward_end, end - backward_end)):
+            for phase, seconds in zip(times, (forward_end - start, backward_end - forward_end, end - backward_end,
+                                              end - start)):
                 times[phase].append(seconds)
     print(args.system, " ".join(f"{phase} {statistics.median(values) * 1e3:.2f} ms" for phase, values in times.items()))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-        from zero3_ac.utils.spawn import remove_shm_buffers
-        remove_shm_buffers(port, "127.0.0.1", 0)
-
+        if not gpu:
+            from zero3_ac.utils.spawn import remove_shm_buffers
+            remove_shm_buffers(port, "127.0.0.1", 0)
 
 if __name__ == "__main__":
     main()
