@@ -65,6 +65,7 @@ def _patches():
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
     from zero3_ac.runtime.zero import stage3_gradients
+    from zero3_ac.runtime.zero import stage3_partition_groups
     from zero3_ac.runtime.zero import stage3_sub_group_gradients
     from zero3_ac.runtime.zero import stock_engines
 
@@ -101,6 +102,10 @@ def _patches():
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",
                                  stage3_gradients.finalize_gradient_accumulation_boundary))
+    for name in ("_assert_same_partition_group", "_autoep_expert_parallel_group"):  # 0.19.3+
+        if name in DeepSpeedZeroOptimizer_Stage3.__dict__:
+            patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, name,
+                                     getattr(stage3_partition_groups, name.lstrip("_"))))
     if "_params_to_partition" in GatheredParameters.__dict__:
         patches.append(_wrapping(GatheredParameters, "_params_to_partition",
                                  fork_partition_parameters.params_to_partition_leaving_held_ones))

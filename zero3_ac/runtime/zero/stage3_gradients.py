@@ -109,7 +109,7 @@ def reduce_ready_partitions_and_remove_grads(optimizer, stock, param):
     bucket was summed into the bucketed one (Note [A gradient that arrives twice in one backward])."""
     if left_to_stock(optimizer) or getattr(optimizer, "_coalesce_grad_reduction", False):
         return stock(optimizer, param)
-    batches = stage3_unit_gradients.unit_gradients(optimizer, lambda alone: _reduce_alone(optimizer, stock, alone))
+    batches = stage3_unit_gradients.unit_gradients(optimizer, _reduce_alone, stock)
     if batches is not None and batches.keep(param):
         return None
     return _reduce_alone(optimizer, stock, param)

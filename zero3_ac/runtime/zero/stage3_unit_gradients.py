@@ -158,12 +158,14 @@ class UnitGradients:
             bucketed[param.ds_id] = view
 
 
-def unit_gradients(optimizer, reduce_alone):
-    """The optimizer's ``UnitGradients``, or None where nothing is batched (see the module's docstring)."""
-    batches = optimizer.__dict__.get(_ATTR)
-    if batches is None and _ATTR not in optimizer.__dict__:
+def unit_gradients(optimizer, reduce_alone, stock):
+    """The optimizer's ``UnitGradients``, or None where nothing is batched (see the module's docstring);
+    a param that a batch cannot take goes to ``reduce_alone(optimizer, stock, param)``."""
+    batches = optimizer.__dict__.get(_ATTR, _ATTR)
+    if batches is _ATTR:
         usable = _batching_applies(optimizer) and module_tree.generation() is not None
-        batches = optimizer.__dict__[_ATTR] = UnitGradients(optimizer, reduce_alone) if usable else None
+        batches = optimizer.__dict__[_ATTR] = (UnitGradients(
+            optimizer, lambda param: reduce_alone(optimizer, stock, param)) if usable else None)
     return batches
 
 
