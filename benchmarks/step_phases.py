@@ -12,10 +12,17 @@ model's or the engine's call), ``backward`` (``loss.backward()`` or ``engine.bac
 ``optimizer.step`` and ``zero_grad``, or ``engine.step``), and ``total``. On GPU the device is synchronized
 before each phase ends, so a phase's time holds its kernels and no other phase's. Run the systems one after
 the other, twice, and compare within a pass: the host's speed drifts between runs.
+
+``--profile PHASE --profile-out FILE`` then runs 5 more steps with cProfile on during PHASE only, and writes
+the functions with the most own time and the most cumulative time in it, per step (cProfile slows the host:
+read the shares, not the milliseconds).
 """
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import socket
 import statistics
 import sys
@@ -39,7 +46,11 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seq", type=int, default=None, help="default 64 on CPU, 2048 on GPU")
     parser.add_argument("--mbs", type=int, default=2)
+    parser.add_argument("--profile", choices=("forward", "backward", "step"), default=None)
+    parser.add_argument("--profile-out", default=None)
     args = parser.parse_args()
+    if bool(args.profile) != bool(args.profile_out):
+        parser.error("--profile and --profile-out go together")
     gpu = args.device == "cuda"
     seq = args.seq or (2048 if gpu else 64)
     model_name = SHAPES[args.shape]
@@ -85,24 +96,42 @@ def main():
     synchronize = torch.cuda.synchronize if gpu else (lambda: None)
     generator = torch.Generator().manual_seed(0)
     times = {"forward": [], "backward": [], "step": [], "total": []}
-    for index in range(args.warmup + args.steps):
+    profiler = cProfile.Profile()
+    profiled_steps = 5 if args.profile else 0
+
+    def run_phase(name, function, *arguments):
+        profiled = name == args.profile and index >= args.warmup + args.steps
+        if profiled:
+            profiler.enable()
+        result = function(*arguments)
+        synchronize()
+        if profiled:
+            profiler.disable()
+        return result
+
+    for index in range(args.warmup + args.steps + profiled_steps):
         ids = torch.randint(0, MODELS[model_name]["vocab_size"], (args.mbs, seq), generator=generator).to(device)
         synchronize()
         start = time.perf_counter()
-        loss = forward(input_ids=ids, labels=ids).loss
-        synchronize()
+        loss = run_phase("forward", lambda: forward(input_ids=ids, labels=ids).loss)
         forward_end = time.perf_counter()
-        backward(loss)
-        synchronize()
+        run_phase("backward", backward, loss)
         backward_end = time.perf_counter()
-        step()
-        synchronize()
+        run_phase("step", step)
         end = time.perf_counter()
-        if index >= args.warmup:
+        if args.warmup <= index < args.warmup + args.steps:
             for phase, seconds in zip(times, (forward_end - start, backward_end - forward_end, end - backward_end,
                                               end - start)):
                 times[phase].append(seconds)
-    print(args.system, " ".join(f"{phase} {statistics.median(values) * 1e3:.2f} ms" for phase, values in times.items()))
+    print(args.system, " ".join(f"{name} {statistics.median(values) * 1e3:.2f} ms" for name, values in times.items()))
+    if args.profile:
+        with open(args.profile_out, "w") as out:
+            out.write(f"{args.system}, {args.shape}, {args.device}: cProfile of the {args.profile} phase, "
+                      f"{profiled_steps} steps; seconds are totals over them\n")
+            for order in ("tottime", "cumulative"):
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+                out.write(text.getvalue())
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         if not gpu:
