@@ -86,6 +86,7 @@ def _patches():
         _wrapping(DeepSpeedZeRoOffload, "partition_all_parameters", fork.partition_all_parameters),
         _wrapping(stock_partition_parameters.AllGatherCoalescedHandle, "wait", coalesced_copy_out.wait),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "initialize_ds_offload", fork_stage3.initialize_ds_offload),
+        _wrapping(DeepSpeedZeroOptimizer_Stage3, "step", fork_stage3.step),
         _wrapping(DeepSpeedEngine, "compile", fork_engine.compile),
         _wrapping(DeepSpeedEngine, "_configure_zero_optimizer", fork_engine.configure_zero_optimizer),
         _wrapping(DeepSpeedEngine, "_forward_prologue", fork_engine.forward_prologue),

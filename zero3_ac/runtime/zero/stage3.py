@@ -1,4 +1,5 @@
-"""ZeRO-3 optimizer state after a backward that raised: extends upstream ``stage3.py``.
+"""ZeRO-3 optimizer state after a backward that raised, and what its ``step()`` releases: extends upstream
+``stage3.py``.
 
 Note: [A backward that raised]
     An exception in the middle of a backward (in a recompute, in a custom Function) leaves ZeRO-3's
@@ -51,3 +52,18 @@ def initialize_ds_offload(optimizer, stock, *args, **kwargs):
         optimizer_ref = weakref.ref(optimizer)
         hooks.on_aborted_backward = lambda: optimizer_ref() is not None and discard_aborted_backward(optimizer_ref())
     return offload
+
+
+def step(optimizer, stock, *args, **kwargs):
+    """Wraps ``DeepSpeedZeroOptimizer_Stage3.step``: its release of every param keeps the persistent params
+    that are their whole shards (Note [Persistent params across the step] in partitioned_param_coordinator.py)."""
+    from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
+    offload = getattr(optimizer, "parameter_offload", None)
+    hooks = lifecycle_hooks(offload) if offload is not None else None
+    if hooks is None:
+        return stock(optimizer, *args, **kwargs)
+    hooks.params.stepping = True
+    try:
+        return stock(optimizer, *args, **kwargs)
+    finally:
+        hooks.params.stepping = False

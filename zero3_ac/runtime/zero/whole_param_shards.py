@@ -131,6 +131,11 @@ class WholeParamShards:
             setattr(self._coordinator, self._counter_attr, getattr(self._coordinator, self._counter_attr) - elements)
         return rest
 
+    def views_its_shard(self, param) -> bool:
+        """Whether ``param`` is gathered on this path and its data is its shard's, where the shard is now."""
+        return (param.ds_status == ZeroParamStatus.AVAILABLE and self._whole(param)
+                and param.data_ptr() == param.ds_tensor.data_ptr() and param.shape == param.ds_shape)
+
     def covers(self, params) -> bool:
         """Whether a model with these params fetches on the path of [A fetch of whole shards]; answered
         once per list (``model_params`` keeps one per tree shape), not by a walk of the model per step."""
