@@ -162,7 +162,8 @@ class CoordinatorTap:
         ``stage3_param_persistence_threshold``, which a LoRA adapter and a norm weight are) too, and
         gathers the persistent ones again at its end (``_post_step``), through ``Init``'s blocking
         all-gather: per param a partition-size query (some ten Python calls), a ``.to`` and a view,
-        then a device synchronize. At 1.1B that is 353 params and about 4 ms of an idle GPU per step.
+        then a device synchronize. At 1.1B that is 353 params a step, and 2.6 to 2.9 ms of the step on one
+        H100 (benchmarks/results/2026-12-06-1xh100-phases-and-ab).
         A param on the path of [A shard that is the whole param] whose data is its shard (the same
         storage, where the shard is now) gets nothing from this: the optimizer writes the updated
         values into that storage in place, and ``_unflatten_partitioned_parameters`` points the shard
