@@ -15,24 +15,28 @@ STEPS = 3
 PERSISTENT = 10**6  # every param of the model is under it
 
 
-def persistent_case(world_size, detach_a_param, stock):
+def persistent_case(world_size, detach_a_param, stock, offload=False):
     """Train ``STEPS`` steps with every param persistent (all of it under ``stock_deepspeed()`` if
     ``stock``); the final values, how many params each step gathered again at its end, and the status of
     every param after ``empty_partition_cache``."""
     assert_fork_state()
     if stock:
         with stock_deepspeed():
-            return _train(world_size, detach_a_param)
-    return _train(world_size, detach_a_param)
+            return _train(world_size, detach_a_param, offload)
+    return _train(world_size, detach_a_param, offload)
 
 
-def _train(world_size, detach_a_param):
+def _train(world_size, detach_a_param, offload):
     import deepspeed.comm as dist
     from deepspeed.runtime.zero import partition_parameters
     torch.manual_seed(7)
     # reentrant checkpointing: stock before 0.19.3 raises CheckpointError under the non-reentrant one
     model = CheckpointedStack(blocks=3, use_reentrant=True)
-    engine = make_engine(model, zero_config(3, persistence=PERSISTENT))
+    config = zero_config(3, persistence=PERSISTENT)
+    if offload:  # the fp32 optimizer on the host, the fp16 partitions on the device
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    engine = make_engine(model, config)
     lora = engine.module.blocks[1].lora.weight
     assert all(param.ds_persist for param in engine.module.parameters())
     regathered = []
@@ -63,10 +67,10 @@ def _train(world_size, detach_a_param):
             "lora_after_step": after_step_values, "lora_shard": shard_values}
 
 
-@pytest.mark.parametrize("detach_a_param", [False, True])
-def test_persistent_params_across_the_step(detach_a_param):
-    mine = run_distributed(1, persistent_case, 1, detach_a_param, stock=False)[0]
-    stock = run_distributed(1, persistent_case, 1, detach_a_param, stock=True)[0]
+@pytest.mark.parametrize("detach_a_param,offload", [(False, False), (True, False), (False, True)])
+def test_persistent_params_across_the_step(detach_a_param, offload):
+    mine = run_distributed(1, persistent_case, 1, detach_a_param, stock=False, offload=offload)[0]
+    stock = run_distributed(1, persistent_case, 1, detach_a_param, stock=True, offload=offload)[0]
     assert mine["values"].keys() == stock["values"].keys()
     for name, value in mine["values"].items():
         assert torch.equal(value, stock["values"][name]), f"{name} differs from stock's"
