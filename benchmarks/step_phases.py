@@ -99,8 +99,8 @@ def main():
     profiler = cProfile.Profile()
     profiled_steps = 5 if args.profile else 0
 
-    def run_phase(name, function, *arguments):
-        profiled = name == args.profile and index >= args.warmup + args.steps
+    def run_phase(name, profiled_step, function, *arguments):
+        profiled = profiled_step and name == args.profile
         if profiled:
             profiler.enable()
         result = function(*arguments)
@@ -110,14 +110,15 @@ def main():
         return result
 
     for index in range(args.warmup + args.steps + profiled_steps):
+        profiled_step = index >= args.warmup + args.steps
         ids = torch.randint(0, MODELS[model_name]["vocab_size"], (args.mbs, seq), generator=generator).to(device)
         synchronize()
         start = time.perf_counter()
-        loss = run_phase("forward", lambda: forward(input_ids=ids, labels=ids).loss)
+        loss = run_phase("forward", profiled_step, lambda: forward(input_ids=ids, labels=ids).loss)
         forward_end = time.perf_counter()
-        run_phase("backward", backward, loss)
+        run_phase("backward", profiled_step, backward, loss)
         backward_end = time.perf_counter()
-        run_phase("step", step)
+        run_phase("step", profiled_step, step)
         end = time.perf_counter()
         if args.warmup <= index < args.warmup + args.steps:
             for phase, seconds in zip(times, (forward_end - start, backward_end - forward_end, end - backward_end,
@@ -137,6 +138,7 @@ def main():
         if not gpu:
             from zero3_ac.utils.spawn import remove_shm_buffers
             remove_shm_buffers(port, "127.0.0.1", 0)
+
 
 if __name__ == "__main__":
     main()

@@ -437,9 +437,7 @@ class InvocationParams:
             param.ds_active_sub_modules.clear()
         if self.stepping:
             whole_shards = self.tap.whole_shards
-            kept = {id(param) for param in params if param.ds_persist and whole_shards.views_its_shard(param)}
-            if kept:
-                params = [param for param in params if id(param) not in kept]
+            params = [param for param in params if not (param.ds_persist and whole_shards.views_its_shard(param))]
         self._release_all(params)
         for param in params:
             if param.ds_status != _NOT_AVAILABLE:

@@ -16,6 +16,7 @@ import weakref
 from deepspeed.utils import logger
 
 from zero3_ac.runtime.zero import stage3_unit_gradients, stock_engines
+from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
 
 _GRAD_PARTITIONS = "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition"
 
@@ -44,7 +45,6 @@ def discard_aborted_backward(optimizer) -> None:
 def initialize_ds_offload(optimizer, stock, *args, **kwargs):
     """Wraps ``DeepSpeedZeroOptimizer_Stage3.initialize_ds_offload``: link the offload's hooks back,
     and mark the optimizer of an engine left to stock (Note [Engines left to stock])."""
-    from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
     offload = stock(optimizer, *args, **kwargs)
     stock_engines.mark([optimizer], left=stock_engines.offload_left_to_stock(offload))
     hooks = lifecycle_hooks(offload)
@@ -57,7 +57,6 @@ def initialize_ds_offload(optimizer, stock, *args, **kwargs):
 def step(optimizer, stock, *args, **kwargs):
     """Wraps ``DeepSpeedZeroOptimizer_Stage3.step``: its release of every param keeps the persistent params
     that are their whole shards (Note [Persistent params across the step] in partitioned_param_coordinator.py)."""
-    from zero3_ac.runtime.zero.parameter_offload import lifecycle_hooks
     offload = getattr(optimizer, "parameter_offload", None)
     hooks = lifecycle_hooks(offload) if offload is not None else None
     if hooks is None:
