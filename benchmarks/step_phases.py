@@ -16,6 +16,11 @@ the other, twice, and compare within a pass: the host's speed drifts between run
 ``--profile PHASE --profile-out FILE`` then runs 5 more steps with cProfile on during PHASE only, and writes
 the functions with the most own time and the most cumulative time in it, per step (cProfile slows the host:
 read the shares, not the milliseconds).
+
+``--norm-check`` (fork only) then runs one more forward and backward, and for each optimizer sub-group
+calls upstream's ``get_grad_norm_direct`` and the fork's (Note [The gradient norm's fp64 copies]) on its
+gradients, alternately, ``--steps`` times each: whether the norms are equal bit for bit, how many gradients
+the fork staged, and the median milliseconds of each (device synchronized).
 """
 
 import argparse
@@ -48,7 +53,10 @@ def main():
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--profile", choices=("forward", "backward", "step"), default=None)
     parser.add_argument("--profile-out", default=None)
+    parser.add_argument("--norm-check", action="store_true")
     args = parser.parse_args()
+    if args.norm_check and args.system != "fork":
+        parser.error("--norm-check compares the fork's gradient norm with upstream's: --system fork")
     if bool(args.profile) != bool(args.profile_out):
         parser.error("--profile and --profile-out go together")
     gpu = args.device == "cuda"
@@ -133,11 +141,37 @@ def main():
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
                 out.write(text.getvalue())
+    if args.norm_check:
+        ids = torch.randint(0, MODELS[model_name]["vocab_size"], (args.mbs, seq), generator=generator).to(device)
+        backward(forward(input_ids=ids, labels=ids).loss)
+        norm_check(engine.optimizer, args.steps, synchronize)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
         if not gpu:
             from zero3_ac.utils.spawn import remove_shm_buffers
             remove_shm_buffers(port, "127.0.0.1", 0)
+
+
+def norm_check(optimizer, repeats, synchronize):
+    from zero3_ac import activation
+    from zero3_ac.runtime.zero.stage3_grad_norm import _PLANS
+    upstream = activation._originals[(type(optimizer), "get_grad_norm_direct")]
+    for index, params in enumerate(optimizer.fp16_groups):
+        gradients = optimizer.averaged_gradients[index]
+        seconds = {"upstream": [], "fork": []}
+        norms = {}
+        for _ in range(repeats):
+            for name, function in (("upstream", lambda: upstream(optimizer, gradients, params)),
+                                   ("fork", lambda: optimizer.get_grad_norm_direct(gradients, params))):
+                synchronize()
+                start = time.perf_counter()
+                norms[name] = function()
+                synchronize()
+                seconds[name].append(time.perf_counter() - start)
+        staged = len(optimizer.__dict__[_PLANS][id(params)].indices)
+        print(f"norm check, sub-group {index}: {len(gradients)} gradients, {staged} staged, norm {norms['fork'].item()!r},"
+              f" bitwise equal {torch.equal(norms['fork'], norms['upstream'])}, "
+              + " ".join(f"{name} {statistics.median(values) * 1e3:.3f} ms" for name, values in seconds.items()))
 
 
 if __name__ == "__main__":

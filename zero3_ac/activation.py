@@ -64,6 +64,7 @@ def _patches():
     from zero3_ac.runtime.zero import partitioned_param_coordinator as fork_coordinator
     from zero3_ac.runtime.zero import parameter_offload as fork
     from zero3_ac.runtime.zero import stage3 as fork_stage3
+    from zero3_ac.runtime.zero import stage3_grad_norm
     from zero3_ac.runtime.zero import stage3_gradients
     from zero3_ac.runtime.zero import stage3_partition_groups
     from zero3_ac.runtime.zero import stage3_sub_group_gradients
@@ -99,6 +100,7 @@ def _patches():
                        "independent_gradient_partition_epilogue", "zero_grad")),
         _wrapping(DeepSpeedZeroOptimizer_Stage3, "_prepare_fp32_grad_for_sub_group",
                   stage3_sub_group_gradients.prepare_fp32_grad_for_sub_group),
+        _wrapping(DeepSpeedZeroOptimizer_Stage3, "get_grad_norm_direct", stage3_grad_norm.get_grad_norm_direct),
     ]
     if "finalize_gradient_accumulation_boundary" in DeepSpeedZeroOptimizer_Stage3.__dict__:  # 0.19.8+
         patches.append(_wrapping(DeepSpeedZeroOptimizer_Stage3, "finalize_gradient_accumulation_boundary",

@@ -1,0 +1,181 @@
+"""The gradient norm's fp64 copies made in one batch (``stage3_grad_norm``, Note [The gradient norm's fp64
+copies]): every norm and every step are upstream's bit for bit; upstream's norm gets aligned views of one
+buffer for the gradients the plan stages and casts the others itself; the buffer stays within the fp32
+copy of the gradients that the step makes next."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.common import run_distributed
+from tests.unit.runtime.zero.zero_case import (CheckpointedStack, assert_fork_state, fork_disabled, make_engine,
+                                               micro_batches, named_values, stock_deepspeed, zero_config)
+from zero3_ac.runtime.zero.stage3_grad_norm import (ALIGNMENT_BYTES, FLAT_COPY_BYTES_PER_ELEMENT, padded,
+                                                    plan_sizes)
+
+BLOCKS = 7
+STEPS = 3
+NORM_BYTES = 8
+
+
+def _staged_bytes(stageable, chosen):
+    return sum(padded(stageable[index], NORM_BYTES) for index in chosen) * NORM_BYTES
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=40), st.lists(st.integers(0, 5000), max_size=5),
+       st.integers(0, 3000))
+def test_the_plan_stays_within_the_steps_fp32_copy_and_stages_the_smallest_first(stageable, cast, uncast):
+    total = sum(stageable) + sum(cast) + uncast
+    chosen = plan_sizes(stageable, cast, total, NORM_BYTES)
+    assert len(set(chosen)) == len(chosen) and set(chosen) <= set(range(len(stageable)))
+    left = [stageable[index] for index in range(len(stageable)) if index not in set(chosen)]
+    if chosen:
+        assert max(stageable[index] for index in chosen) <= min(left, default=float("inf"))
+        largest_left = max(cast + left, default=0) * NORM_BYTES
+        assert _staged_bytes(stageable, chosen) + largest_left <= FLAT_COPY_BYTES_PER_ELEMENT * total
+    if left:  # one more would not fit, whichever is left out then
+        more = chosen + [min(range(len(stageable)), key=lambda index: (index in set(chosen), stageable[index]))]
+        still_left = [stageable[index] for index in range(len(stageable)) if index not in set(more)]
+        largest_left = max(cast + still_left, default=0) * NORM_BYTES
+        assert _staged_bytes(stageable, more) + largest_left > FLAT_COPY_BYTES_PER_ELEMENT * total
+
+
+def test_the_plan_leaves_a_large_gradient_to_upstream():
+    lora = [16 * 2048] * 9 + [256 * 16] * 2 + [16 * 5632, 5632 * 16, 5632 * 16]
+    chosen = plan_sizes(lora, [], sum(lora), NORM_BYTES)
+    assert sorted(lora[index] for index in chosen) == [256 * 16] * 2 + [16 * 2048] * 5
+    assert plan_sizes([2000] * 4 + [64] * 10, [], 8640, NORM_BYTES) == list(range(4, 14))
+    # upstream's cast of a gradient of more than half the elements alone exceeds the fp32 copy
+    assert plan_sizes([10**6] + [64] * 10, [], 10**6 + 640, NORM_BYTES) == []
+    assert plan_sizes([64] * 4, [10**6], 256 + 10**6, NORM_BYTES) == []
+    assert padded(1, NORM_BYTES) * NORM_BYTES == ALIGNMENT_BYTES and padded(64, NORM_BYTES) == 64
+
+
+def norm_case(world_size, dtype, sub_group_size, stock):
+    """Train ``STEPS`` steps with clipping that applies (all of it under ``stock_deepspeed()`` if ``stock``):
+    the final params, each step's norm, and what upstream's norm received."""
+    assert_fork_state()
+    if stock:
+        with stock_deepspeed():
+            return _train(world_size, dtype, sub_group_size)
+    return _train(world_size, dtype, sub_group_size)
+
+
+def _received(gradients):
+    """What upstream's norm got: per gradient its dtype, and for one of the norm dtype its byte offset in
+    its storage and the storage's address."""
+    return [(str(gradient.dtype), gradient.data_ptr() - gradient.untyped_storage().data_ptr(),
+             gradient.untyped_storage().data_ptr(), gradient.numel()) for gradient in gradients]
+
+
+def _train(world_size, dtype, sub_group_size):
+    import deepspeed.comm as dist
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from zero3_ac import activation
+    torch.manual_seed(13)
+    # reentrant checkpointing: stock before 0.19.3 raises CheckpointError under the non-reentrant one
+    model = CheckpointedStack(blocks=BLOCKS, use_reentrant=True)
+    for index, block in enumerate(model.blocks):
+        torch.nn.init.normal_(block.lora.weight, std=0.2 * (index + 1))
+    batches = micro_batches(STEPS, world_size, dtype=dtype, requires_grad=True, seed=7)
+    config = zero_config(3, dtype=dtype, sub_group_size=sub_group_size)
+    config["gradient_clipping"] = 1e-3
+    engine = make_engine(model, config)
+    received = []
+    key = (DeepSpeedZeroOptimizer_Stage3, "get_grad_norm_direct")
+    upstream = activation._originals.get(key)
+    if upstream is not None:
+
+        def recording(optimizer, gradients, params, norm_type=2):
+            received.append(_received(gradients))
+            return upstream(optimizer, gradients, params, norm_type)
+
+        activation._originals[key] = recording
+    try:
+        rank = dist.get_rank()
+        norms = []
+        for row in batches:
+            engine.backward(engine(row[rank]))
+            engine.step()
+            norms.append(float(engine.get_global_grad_norm()))
+    finally:
+        if upstream is not None:
+            activation._originals[key] = upstream
+    return {"values": named_values(engine), "norms": norms, "received": received,
+            "sub_groups": [len(group) for group in engine.optimizer.fp16_groups]}
+
+
+@pytest.mark.parametrize("world_size,dtype,sub_group_size", [(1, torch.float32, 1024), (2, torch.float32, 1e9),
+                                                              (1, torch.bfloat16, 1e9), (2, torch.bfloat16, 1e9)])
+def test_the_norms_and_the_steps_are_upstreams(world_size, dtype, sub_group_size):
+    args = (world_size, dtype, sub_group_size)
+    ours = run_distributed(world_size, norm_case, *args, stock=False)
+    theirs = run_distributed(world_size, norm_case, *args, stock=True)
+    for rank, (mine, stock) in enumerate(zip(ours, theirs)):
+        assert mine["norms"] == stock["norms"], f"rank {rank}"
+        assert stock["norms"][0] > 1e-3, "the clipping must apply for the norm to reach the params"
+        for name, value in mine["values"].items():
+            assert torch.equal(value, stock["values"][name]), f"rank {rank}: {name} differs from stock's"
+        if fork_disabled():
+            continue
+        assert len(mine["received"]) == STEPS * len(mine["sub_groups"])
+        assert len(mine["sub_groups"]) > 1 or sub_group_size >= 1e9, mine["sub_groups"]
+        staged = 0
+        for gradients in mine["received"]:
+            copies = [entry for entry in gradients if entry[0] == "torch.float64"]
+            staged += len(copies)
+            assert len(copies) < len(gradients), gradients  # at most half of the bytes: the budget
+            assert len({storage for _, _, storage, _ in copies}) <= 1, "one buffer"
+            assert all(offset % ALIGNMENT_BYTES == 0 for _, offset, _, _ in copies), copies
+            budget = FLAT_COPY_BYTES_PER_ELEMENT * sum(numel for *_, numel in gradients)
+            assert sum(padded(numel, NORM_BYTES) for *_, numel in copies) * NORM_BYTES <= budget
+        assert staged >= STEPS, mine["received"]
+
+
+def mixed_gradients_case(norm_type):
+    """Upstream's norm and the fork's of gradients that are not all stageable, and what upstream got."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from zero3_ac import activation
+    from zero3_ac.runtime.zero import stage3_grad_norm
+    engine = make_engine(CheckpointedStack(blocks=2), zero_config(3))
+    optimizer = engine.optimizer
+    upstream = activation._originals.get((DeepSpeedZeroOptimizer_Stage3, "get_grad_norm_direct"),
+                                         DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct)
+    generator = torch.Generator().manual_seed(3)
+    gradients = [torch.randn(50, generator=generator), torch.randn(200, generator=generator),
+                 torch.randn(30, generator=generator)[::3], torch.randn(4, 5, generator=generator),
+                 torch.randn(6, generator=generator).double(), torch.randn(70, generator=generator).bfloat16(),
+                 *(torch.randn(200, generator=generator) for _ in range(3))]
+    params = [optimizer.fp16_groups[0][0]] * len(gradients)
+    received = []
+
+    def recording(optimizer, gradients, params, norm_type):
+        received.append(list(gradients))
+        return upstream(optimizer, gradients, params, norm_type)
+
+    fork = stage3_grad_norm.get_grad_norm_direct(optimizer, recording, gradients, params, norm_type)
+    stock = upstream(optimizer, gradients, params, norm_type)
+    return {"equal": torch.equal(fork, stock), "norm": float(stock),
+            "same_objects": [got is given for got, given in zip(received[0], gradients)],
+            "dtypes": [str(got.dtype) for got in received[0]], "received": _received(received[0])}
+
+
+def test_gradients_it_cannot_stage_are_left_to_upstream():
+    result = run_distributed(1, mixed_gradients_case, 2)[0]
+    assert result["equal"] and result["norm"] > 0
+    # the two small ones staged (the budget leaves the four of 200 to upstream); the strided, the 2-D and
+    # the fp64 gradient as they were
+    assert result["same_objects"] == [False, True, True, True, True, False, True, True, True], result
+    assert result["dtypes"] == ["torch.float64"] + ["torch.float32"] * 3 + ["torch.float64"] * 2 + \
+        ["torch.float32"] * 3
+    staged = [result["received"][index] for index in (0, 5)]
+    assert staged[0][2] == staged[1][2] and [offset for _, offset, _, _ in staged] == [0, ALIGNMENT_BYTES]
+
+
+def test_the_inf_norm_is_upstreams_alone():
+    result = run_distributed(1, mixed_gradients_case, float("inf"))[0]
+    assert result["equal"] and result["same_objects"] == [True] * 9
