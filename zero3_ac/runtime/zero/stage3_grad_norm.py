@@ -22,7 +22,9 @@ Note: [The gradient norm's fp64 copies]
     largest gradient left out of it, is planned to take no more than that. The smallest gradients go
     in first: they carry the most per-call work for the fewest bytes. A gradient that is not 1-D and
     contiguous, not on the current device, or already in the norm dtype is left to upstream's cast,
-    and so is the inf norm, which casts nothing.
+    and so is the inf norm, which casts nothing. On one H100 with 1.1B LoRA, 228 of the 308 gradients
+    go in and the norm takes 6.65 ms instead of 8.10, the same bits
+    (benchmarks/results/2026-12-06-1xh100-grad-norm).
 """
 
 import operator
