@@ -154,7 +154,7 @@ def main():
 
 def norm_check(optimizer, repeats, synchronize):
     from zero3_ac import activation
-    from zero3_ac.runtime.zero.stage3_grad_norm import _PLANS
+    from zero3_ac.runtime.zero.stage3_grad_norm import staged_count
     upstream = activation._originals[(type(optimizer), "get_grad_norm_direct")]
     for index, params in enumerate(optimizer.fp16_groups):
         gradients = optimizer.averaged_gradients[index]
@@ -168,7 +168,7 @@ def norm_check(optimizer, repeats, synchronize):
                 norms[name] = function()
                 synchronize()
                 seconds[name].append(time.perf_counter() - start)
-        staged = len(optimizer.__dict__[_PLANS][id(params)].indices)
+        staged = staged_count(optimizer, params)
         print(f"norm check, sub-group {index}: {len(gradients)} gradients, {staged} staged, norm {norms['fork'].item()!r},"
               f" bitwise equal {torch.equal(norms['fork'], norms['upstream'])}, "
               + " ".join(f"{name} {statistics.median(values) * 1e3:.3f} ms" for name, values in seconds.items()))

@@ -27,11 +27,10 @@ Note: [The gradient norm's fp64 copies]
     (benchmarks/results/2026-12-06-1xh100-grad-norm).
 """
 
-import operator
-
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from zero3_ac.runtime.zero.stage3_sub_group_gradients import same_tensors
 from zero3_ac.runtime.zero.stock_engines import left_to_stock
 
 _PLANS = "_zero3_ac_grad_norm_plans"  # id(params) -> _Plan
@@ -117,8 +116,10 @@ def _stageable(gradient, dtype, device) -> bool:
             and gradient.dim() == 1 and gradient.is_contiguous() and gradient.device == device)
 
 
-def _the_same(known, gradients) -> bool:
-    return len(known) == len(gradients) and all(map(operator.is_, gradients, known))
+def staged_count(optimizer, params) -> int:
+    """How many of the gradients of the sub-group of ``params`` the last norm staged (0 before any)."""
+    plan = optimizer.__dict__.get(_PLANS, {}).get(id(params))
+    return len(plan.indices) if plan is not None else 0
 
 
 def get_grad_norm_direct(optimizer, stock, gradients, params, norm_type=2):
@@ -127,7 +128,7 @@ def get_grad_norm_direct(optimizer, stock, gradients, params, norm_type=2):
         return stock(optimizer, gradients, params, norm_type)
     plans = optimizer.__dict__.setdefault(_PLANS, {})
     plan = plans.get(id(params))
-    if plan is None or not _the_same(plan.gradients, gradients):
+    if plan is None or not same_tensors(plan.gradients, gradients):
         device = torch.device(get_accelerator().current_device_name())
         plan = plans[id(params)] = _Plan(gradients, norm_dtype(), device)
     if not plan.indices:

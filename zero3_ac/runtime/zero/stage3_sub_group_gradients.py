@@ -60,13 +60,14 @@ def prepare_fp32_grad_for_sub_group(optimizer, stock, sub_group_id):
     if grads:
         regions = optimizer.__dict__.setdefault(_REGIONS, {})
         known = regions.get(sub_group_id)
-        if known is None or not _the_same(known[0], grads):
+        if known is None or not same_tensors(known[0], grads):
             known = regions[sub_group_id] = _tiling(optimizer, sub_group_id)
         views, region = known
-        if region is not None and _the_same(views, grads):
+        if region is not None and same_tensors(views, grads):
             optimizer.averaged_gradients[sub_group_id] = region
     return stock(optimizer, sub_group_id)
 
 
-def _the_same(views, grads) -> bool:
-    return len(views) == len(grads) and all(map(operator.is_, grads, views))
+def same_tensors(known, tensors) -> bool:
+    """Whether ``tensors`` holds the ``known`` tensor objects, in order (a list upstream rebuilds each step)."""
+    return len(known) == len(tensors) and all(map(operator.is_, tensors, known))

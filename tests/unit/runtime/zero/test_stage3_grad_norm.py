@@ -29,14 +29,15 @@ def _staged_bytes(stageable, chosen):
 def test_the_plan_stays_within_the_steps_fp32_copy_and_stages_the_smallest_first(stageable, cast, uncast):
     total = sum(stageable) + sum(cast) + uncast
     chosen = plan_sizes(stageable, cast, total, NORM_BYTES)
-    assert len(set(chosen)) == len(chosen) and set(chosen) <= set(range(len(stageable)))
-    left = [stageable[index] for index in range(len(stageable)) if index not in set(chosen)]
+    staged = set(chosen)
+    assert len(staged) == len(chosen) and staged <= set(range(len(stageable)))
+    left = [stageable[index] for index in range(len(stageable)) if index not in staged]
     if chosen:
         assert max(stageable[index] for index in chosen) <= min(left, default=float("inf"))
         largest_left = max(cast + left, default=0) * NORM_BYTES
         assert _staged_bytes(stageable, chosen) + largest_left <= FLAT_COPY_BYTES_PER_ELEMENT * total
     if left:  # one more would not fit, whichever is left out then
-        more = chosen + [min(range(len(stageable)), key=lambda index: (index in set(chosen), stageable[index]))]
+        more = chosen + [min(set(range(len(stageable))) - staged, key=stageable.__getitem__)]
         still_left = [stageable[index] for index in range(len(stageable)) if index not in set(more)]
         largest_left = max(cast + still_left, default=0) * NORM_BYTES
         assert _staged_bytes(stageable, more) + largest_left > FLAT_COPY_BYTES_PER_ELEMENT * total
