@@ -103,8 +103,6 @@ class _Plan:
         buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         views = buffer.split_with_sizes(self.split_sizes)[::2]
         torch._foreach_copy_(views, self.sources)
-        if len(views) == len(gradients):
-            return list(views)
         staged = list(gradients)
         for index, view in zip(self.indices, views):
             staged[index] = view
