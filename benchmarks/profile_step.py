@@ -25,6 +25,13 @@ frame. The sampled steps run with autograd's multithreading off (see ``sample``)
 operators they call (every nesting level), under torch's profiler: the host work a GPU step pays per launch, to
 compare systems launch by launch (``kernels-TAG.txt``).
 
+``--sampler waits`` runs ``--profiled`` steps back to back, the device synchronized only after the last, as a
+training loop runs them, and times each call that makes the host wait for the GPU (a stream's, an event's or the
+device's ``synchronize``, a tensor's ``item``, ``bool``, ``tolist`` or ``cpu``, ``torch.tensor`` onto the GPU):
+``waits-TAG.txt`` gives the host's ms per step blocked in them, by the DeepSpeed or zero3_ac line that made the call.
+Where a step's host work runs ahead of its kernels, such a wait is the GPU's backlog at that point: host work after
+it no longer overlaps the kernels queued before it.
+
 ``--sampler gaps`` says where a GPU step waits for the host (``gaps-TAG.txt``): the GPU's idle intervals
 of the profiled steps, each charged to what the thread that launches the next kernel is running in the
 middle of it (its Python stack, from torch's profiler with ``with_stack``): the innermost DeepSpeed or
@@ -70,9 +77,10 @@ def by_library(stats, steps):
                      for name in sorted(calls, key=lambda name: -own[name]))
 
 
-def one_gpu_step(system, model, seq=2048, mbs=2, units=None, seed=0):
-    """A synchronized LoRA training step of ``system`` on GPU 0, world size 1, set up as the peer benchmark
-    sets it up (``peer_worker.setup``), each call on a fresh random batch."""
+def one_gpu_step(system, model, seq=2048, mbs=2, units=None, seed=0, synchronized=True):
+    """A LoRA training step of ``system`` on GPU 0, world size 1, set up as the peer benchmark sets it up
+    (``peer_worker.setup``), each call on a fresh random batch; the device synchronized at its end unless
+    ``synchronized`` is False."""
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29633")
@@ -94,7 +102,8 @@ def one_gpu_step(system, model, seq=2048, mbs=2, units=None, seed=0):
     def step():
         ids = torch.randint(0, vocab, (mbs, seq), generator=generator).cuda()
         train_step(ids)
-        torch.cuda.synchronize()
+        if synchronized:
+            torch.cuda.synchronize()
 
     return step
 
@@ -108,12 +117,17 @@ def main():
     parser.add_argument("--units", default=None, help='the fork\'s "zero3_ac": {"gather_units": ...}; default: not set')
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--profiled", type=int, default=3)
-    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument", "kernels", "gaps"), default="cprofile")
+    parser.add_argument("--sampler", choices=("cprofile", "pyinstrument", "kernels", "gaps", "waits"), default="cprofile")
     parser.add_argument("--interval", type=float, default=0.0005, help="pyinstrument's sampling interval, seconds")
     parser.add_argument("--tag", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    step = one_gpu_step(args.system, args.model, args.seq, args.mbs, args.units)
+    unsynchronized_step = one_gpu_step(args.system, args.model, args.seq, args.mbs, args.units, synchronized=False)
+
+    def step():
+        unsynchronized_step()
+        torch.cuda.synchronize()
+
     for _ in range(3):
         step()
     start = time.perf_counter()
@@ -126,6 +140,8 @@ def main():
         return count_launches(args, step, step_s)
     if args.sampler == "gaps":
         return idle_gaps(args, step, step_s)
+    if args.sampler == "waits":
+        return host_waits(args, unsynchronized_step, step_s)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(args.profiled):
@@ -300,6 +316,63 @@ def gap_sites(trace, min_gap_us=5.0):
             busy += stop - max(start, end if end is not None else start)
             end = stop
     return busy, idle, own, innermost
+
+
+# The calls that block the host until the GPU has run what they depend on (torch.tensor: a copy onto the GPU).
+SYNCHRONIZING_CALLS = ((torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda, "synchronize"),
+                       (torch.Tensor, "item"), (torch.Tensor, "__bool__"), (torch.Tensor, "tolist"),
+                       (torch.Tensor, "cpu"), (torch, "tensor"))
+
+
+def _own_call_site():
+    """``path:line(function)`` of the innermost DeepSpeed or zero3_ac frame calling, else ``(model or loop)``."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if os.sep + "deepspeed" + os.sep in name or os.sep + "zero3_ac" + os.sep in name:
+            return f"{_frame_name(name)}:{frame.f_lineno}({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "(model or loop)"
+
+
+def host_waits(args, step, step_s):
+    """Writes ``waits-TAG.txt``; returns {(call, site): seconds over the steps}."""
+    waited = {}
+
+    def timed(name, call):
+        def wrapper(*arguments, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*arguments, **kwargs)
+            finally:
+                key = (name, _own_call_site())
+                waited[key] = waited.get(key, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    saved = [(owner, name, owner.__dict__.get(name)) for owner, name in SYNCHRONIZING_CALLS]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    try:
+        for owner, name in SYNCHRONIZING_CALLS:
+            setattr(owner, name, timed(name, getattr(owner, name)))
+        for _ in range(args.profiled):
+            step()
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, call in saved:
+            if call is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, call)
+    steps_s = (time.perf_counter() - start) / args.profiled
+    total_ms = sum(waited.values()) * 1e3 / args.profiled
+    lines = [f"{args.tag}: system {args.system}, synchronized step {step_s:.4f} s, back-to-back step {steps_s:.4f} s "
+             f"({args.profiled} steps); host blocked in synchronizing calls {total_ms:.2f} ms a step", "",
+             "   ms/step  call, by the DeepSpeed or zero3_ac line that made it"]
+    lines += [f"{seconds * 1e3 / args.profiled:10.3f}  {name} {site}" for (name, site), seconds in _ranked(waited, 30)]
+    _write_report(args, "waits", lines)
+    return waited
 
 
 def idle_gaps(args, step, step_s):
