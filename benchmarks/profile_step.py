@@ -324,15 +324,14 @@ SYNCHRONIZING_CALLS = ((torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "s
                        (torch.Tensor, "cpu"), (torch, "tensor"))
 
 
-def _own_call_site():
-    """``path:line(function)`` of the innermost DeepSpeed or zero3_ac frame calling, else ``(model or loop)``."""
-    frame = sys._getframe(2)
+def _innermost_own_site(frame, outside):
+    """``path:line(function)`` of the innermost DeepSpeed or zero3_ac frame from ``frame`` outwards, else ``outside``."""
     while frame is not None:
         name = frame.f_code.co_filename
         if os.sep + "deepspeed" + os.sep in name or os.sep + "zero3_ac" + os.sep in name:
             return f"{_frame_name(name)}:{frame.f_lineno}({frame.f_code.co_name})"
         frame = frame.f_back
-    return "(model or loop)"
+    return outside
 
 
 def host_waits(args, step, step_s):
@@ -345,7 +344,7 @@ def host_waits(args, step, step_s):
             try:
                 return call(*arguments, **kwargs)
             finally:
-                key = (name, _own_call_site())
+                key = (name, _innermost_own_site(sys._getframe(1), "(model or loop)"))
                 waited[key] = waited.get(key, 0.0) + time.perf_counter() - start
 
         return wrapper
@@ -378,13 +377,10 @@ def host_waits(args, step, step_s):
 def idle_gaps(args, step, step_s):
     import json
     import tempfile
-    import traceback
     sync_sites = {}
 
     def on_warning(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack()[:-1] if (os.sep + "deepspeed" + os.sep) in f.filename
-                  or (os.sep + "zero3_ac" + os.sep) in f.filename]
-        site = f"{_frame_name(frames[-1].filename)}:{frames[-1].lineno}({frames[-1].name})" if frames else "(model)"
+        site = _innermost_own_site(sys._getframe(1), "(model)")
         sync_sites[site] = sync_sites.get(site, 0) + 1
 
     with warnings.catch_warnings():  # restores the filters and showwarning
