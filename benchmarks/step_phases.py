@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import MODELS, build_model, zero3_config  # noqa: E402
 
 SHAPES = {"small": "tiny", "1.1b": "tinyllama", "8b": "llama3-8b"}
+OWN_CODE = r"deepspeed/|zero3_ac/"  # the profile's third table: DeepSpeed's and the fork's functions only
 
 
 def main():
@@ -137,9 +138,10 @@ def main():
         with open(args.profile_out, "w") as out:
             out.write(f"{args.system}, {args.shape}, {args.device}: cProfile of the {args.profile} phase, "
                       f"{profiled_steps} steps; seconds are totals over them\n")
-            for order in ("tottime", "cumulative"):
+            for order, restrictions in (("tottime", (45,)), ("cumulative", (45,)),
+                                        ("tottime", (OWN_CODE, 60))):
                 text = io.StringIO()
-                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(45)
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*restrictions)
                 out.write(text.getvalue())
     if args.norm_check:
         ids = torch.randint(0, MODELS[model_name]["vocab_size"], (args.mbs, seq), generator=generator).to(device)

@@ -25,9 +25,31 @@ Note: [The gradient norm's fp64 copies]
     and so is the inf norm, which casts nothing. On one H100 with 1.1B LoRA, 228 of the 308 gradients
     go in and the norm takes 6.65 ms instead of 8.10, the same bits
     (benchmarks/results/2026-12-06-1xh100-grad-norm).
+
+Note: [The gradient norm without upstream's per-gradient loop]
+    With the copies made, most of upstream's norm is its loop: per gradient two ``.to`` calls,
+    ``get_accelerator().device_name()``, ``get_norm_dtype()``, ``is_model_parallel_parameter``,
+    and ``Tensor.norm``, which reaches ``torch.linalg.vector_norm`` through two Python wrappers
+    (``torch.functional.norm``): about ten Python calls around the one kernel.
+
+    Where every release from 0.18.5 to 0.19.8 computes the same thing, the fork runs the same
+    kernels itself, without the loop: each gradient's ``torch.linalg.vector_norm(g, 2.0)`` (what
+    ``Tensor.norm(2)`` calls for a strided CPU or CUDA tensor) of its fp64 copy or its own fp64
+    cast, ``torch.sum(torch.pow(torch.stack(norms), 2.0))``, the SUM all-reduce over the same
+    group, the square root as ``** 0.5``, and -1.0 where the result is inf or nan, on the same
+    tensors in the same order: the same bits. The function's text changed twice in those releases
+    (the same from 0.18.5 to 0.19.2 and from 0.19.3 to 0.19.5; 0.19.3 all-reduces over the first
+    param's partition group, which must be every param's, and adds AutoEP's expert group; 0.19.8
+    adds the norm dtype and a model-parallel count), and every text computes the same thing when
+    the 2-norm is asked for, the norm dtype is fp64, there is no model-parallel group (every
+    gradient counts and nothing is all-reduced over model-parallel ranks), no param is an AutoEP
+    expert, and every gradient is on the current device (upstream would copy it there). Anything
+    else is upstream's function, given the copies. These facts and the group are taken once per
+    sub-group, with the copies' plan.
 """
 
 import torch
+from deepspeed import comm as dist
 from deepspeed.accelerator import get_accelerator
 
 from zero3_ac.runtime.zero.stage3_sub_group_gradients import same_tensors
@@ -78,10 +100,11 @@ def plan_sizes(stageable, cast_by_upstream, total, element_size):
 
 
 class _Plan:
-    """A sub-group's staging: its gradients (to recognise them), the staged ones and where they go."""
-    __slots__ = ("gradients", "indices", "sources", "split_sizes", "numel", "dtype", "device")
+    """A sub-group's staging: its gradients (to recognise them), the staged ones and where they go; the
+    group of the norm's all-reduce where the fork computes the norm itself (``own_norm``)."""
+    __slots__ = ("gradients", "indices", "sources", "split_sizes", "numel", "dtype", "device", "own_norm", "group")
 
-    def __init__(self, gradients, dtype, device):
+    def __init__(self, optimizer, gradients, params, dtype, device):
         self.gradients = list(gradients)
         self.dtype = dtype
         self.device = device
@@ -97,6 +120,7 @@ class _Plan:
             numel = source.numel()
             self.split_sizes += [numel, padded(numel, dtype.itemsize) - numel]
         self.numel = sum(self.split_sizes)
+        self.own_norm, self.group = _own_norm_group(optimizer, gradients, params, dtype, device)
 
     def staged(self, gradients):
         """``gradients`` with the staged ones replaced by their copies in a fresh buffer."""
@@ -114,6 +138,39 @@ def _stageable(gradient, dtype, device) -> bool:
             and gradient.dim() == 1 and gradient.is_contiguous() and gradient.device == device)
 
 
+def _own_norm_group(optimizer, gradients, params, dtype, device):
+    """``(True, group)`` where the fork computes the norm itself, ``(False, None)`` where upstream's must
+    (Note [The gradient norm without upstream's per-gradient loop])."""
+    if (dtype != torch.float64 or getattr(optimizer, "model_parallel_group", True) is not None
+            or getattr(optimizer, "model_parallel_rank", 1) != 0 or len(gradients) != len(params)
+            or any(gradient.device != device for gradient in gradients)):
+        return False, None
+    if not hasattr(optimizer, "_get_param_partition_group"):  # before 0.19.3
+        return True, optimizer.dp_process_group
+    try:
+        optimizer._assert_same_partition_group(params)
+        if optimizer._autoep_expert_parallel_group(params) is not None:
+            return False, None
+    except RuntimeError:  # upstream raises it again, naming the problem
+        return False, None
+    return True, optimizer._get_param_partition_group(params[0])
+
+
+def _two_norm(optimizer, plan, gradients):
+    """Upstream's 2-norm of ``gradients`` where ``plan.own_norm`` (see Note [The gradient norm without
+    upstream's per-gradient loop])."""
+    if plan.indices:
+        gradients = plan.staged(gradients)
+    dtype = plan.dtype
+    vector_norm = torch.linalg.vector_norm
+    norms = [vector_norm(gradient if gradient.dtype == dtype else gradient.to(dtype), 2.0) for gradient in gradients]
+    total = torch.sum(torch.pow(torch.stack(norms), 2.0))
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=plan.group)
+    total = total**0.5
+    inf_or_nan = total.isnan().logical_or(total.isinf())
+    return torch.where(inf_or_nan, torch.tensor(-1.0, device=optimizer.device, dtype=torch.float), total)
+
+
 def staged_count(optimizer, params) -> int:
     """How many of the gradients of the sub-group of ``params`` the last norm staged (0 before any)."""
     plan = optimizer.__dict__.get(_PLANS, {}).get(id(params))
@@ -121,14 +178,17 @@ def staged_count(optimizer, params) -> int:
 
 
 def get_grad_norm_direct(optimizer, stock, gradients, params, norm_type=2):
-    """Wraps ``get_grad_norm_direct``: see Note [The gradient norm's fp64 copies]."""
+    """Wraps ``get_grad_norm_direct``: see Notes [The gradient norm's fp64 copies] and [The gradient norm
+    without upstream's per-gradient loop]."""
     if left_to_stock(optimizer) or float(norm_type) == float("inf") or not gradients:
         return stock(optimizer, gradients, params, norm_type)
     plans = optimizer.__dict__.setdefault(_PLANS, {})
     plan = plans.get(id(params))
     if plan is None or not same_tensors(plan.gradients, gradients):
         device = torch.device(get_accelerator().current_device_name())
-        plan = plans[id(params)] = _Plan(gradients, norm_dtype(), device)
+        plan = plans[id(params)] = _Plan(optimizer, gradients, params, norm_dtype(), device)
+    if plan.own_norm and float(norm_type) == 2.0:
+        return _two_norm(optimizer, plan, gradients)
     if not plan.indices:
         return stock(optimizer, gradients, params, norm_type)
     return stock(optimizer, plan.staged(gradients), params, norm_type)

@@ -1,7 +1,9 @@
-"""The gradient norm's fp64 copies made in one batch (``stage3_grad_norm``, Note [The gradient norm's fp64
-copies]): every norm and every step are upstream's bit for bit; upstream's norm gets aligned views of one
-buffer for the gradients the plan stages and casts the others itself; the buffer stays within the fp32
-copy of the gradients that the step makes next."""
+"""The gradient norm's fp64 copies made in one batch, and the norm computed without upstream's loop
+(``stage3_grad_norm``, Notes [The gradient norm's fp64 copies] and [The gradient norm without upstream's
+per-gradient loop]): every norm and every step are upstream's bit for bit; the norm's kernels get aligned
+views of one buffer for the gradients the plan stages and casts of the others; the buffer stays within the
+fp32 copy of the gradients that the step makes next; upstream's function runs only where its releases
+compute different things (another norm, a model-parallel group) or the gradients are not the plan's."""
 
 import pytest
 import torch
@@ -71,6 +73,20 @@ def _received(gradients):
              gradient.untyped_storage().data_ptr(), gradient.numel()) for gradient in gradients]
 
 
+def _recording_staged(received):
+    """Patches the plan's ``staged`` to append what it returns to ``received``; returns the undo."""
+    from zero3_ac.runtime.zero import stage3_grad_norm
+    staged = stage3_grad_norm._Plan.staged
+
+    def recording(plan, gradients):
+        result = staged(plan, gradients)
+        received.append(_received(result))
+        return result
+
+    stage3_grad_norm._Plan.staged = recording
+    return lambda: setattr(stage3_grad_norm._Plan, "staged", staged)
+
+
 def _train(world_size, dtype, sub_group_size):
     import deepspeed.comm as dist
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -85,16 +101,17 @@ def _train(world_size, dtype, sub_group_size):
     config = zero_config(3, dtype=dtype, sub_group_size=sub_group_size)
     config["gradient_clipping"] = 1e-3
     engine = make_engine(model, config)
-    received = []
+    received, upstream_calls = [], []
     key = (DeepSpeedZeroOptimizer_Stage3, "get_grad_norm_direct")
     upstream = activation._originals.get(key)
     if upstream is not None:
 
-        def recording(optimizer, gradients, params, norm_type=2):
-            received.append(_received(gradients))
+        def counting(optimizer, gradients, params, norm_type=2):
+            upstream_calls.append(len(gradients))
             return upstream(optimizer, gradients, params, norm_type)
 
-        activation._originals[key] = recording
+        activation._originals[key] = counting
+        undo_staged = _recording_staged(received)
     try:
         rank = dist.get_rank()
         norms = []
@@ -105,7 +122,8 @@ def _train(world_size, dtype, sub_group_size):
     finally:
         if upstream is not None:
             activation._originals[key] = upstream
-    return {"values": named_values(engine), "norms": norms, "received": received,
+            undo_staged()
+    return {"values": named_values(engine), "norms": norms, "received": received, "upstream_calls": upstream_calls,
             "sub_groups": [len(group) for group in engine.optimizer.fp16_groups]}
 
 
@@ -122,6 +140,7 @@ def test_the_norms_and_the_steps_are_upstreams(world_size, dtype, sub_group_size
             assert torch.equal(value, stock["values"][name]), f"rank {rank}: {name} differs from stock's"
         if fork_disabled():
             continue
+        assert mine["upstream_calls"] == [], "the fork computes these norms itself"
         assert len(mine["received"]) == STEPS * len(mine["sub_groups"])
         assert len(mine["sub_groups"]) > 1 or sub_group_size >= 1e9, mine["sub_groups"]
         staged = 0
@@ -136,14 +155,18 @@ def test_the_norms_and_the_steps_are_upstreams(world_size, dtype, sub_group_size
         assert staged >= STEPS, mine["received"]
 
 
-def mixed_gradients_case(norm_type):
-    """Upstream's norm and the fork's of gradients that are not all stageable, and what upstream got."""
+def mixed_gradients_case(norm_type, model_parallel=False, poison=None):
+    """Upstream's norm and the fork's of gradients that are not all stageable: whether upstream's ran, what
+    upstream got (where it ran) and what the norm's kernels got (where the fork staged)."""
+    import deepspeed.comm as dist
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     from zero3_ac import activation
     from zero3_ac.runtime.zero import stage3_grad_norm
     engine = make_engine(CheckpointedStack(blocks=2), zero_config(3))
     optimizer = engine.optimizer
+    if model_parallel:  # a model-parallel group of one rank: upstream all-reduces over it too
+        optimizer.model_parallel_group = dist.new_group([0])
     upstream = activation._originals.get((DeepSpeedZeroOptimizer_Stage3, "get_grad_norm_direct"),
                                          DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct)
     generator = torch.Generator().manual_seed(3)
@@ -151,32 +174,69 @@ def mixed_gradients_case(norm_type):
                  torch.randn(30, generator=generator)[::3], torch.randn(4, 5, generator=generator),
                  torch.randn(6, generator=generator).double(), torch.randn(70, generator=generator).bfloat16(),
                  *(torch.randn(200, generator=generator) for _ in range(3))]
+    if poison is not None:  # a staged and an unstaged gradient
+        gradients[0][7] = gradients[7][3] = poison
     params = [optimizer.fp16_groups[0][0]] * len(gradients)
-    received = []
+    received, staged = [], []
 
     def recording(optimizer, gradients, params, norm_type):
         received.append(list(gradients))
         return upstream(optimizer, gradients, params, norm_type)
 
-    fork = stage3_grad_norm.get_grad_norm_direct(optimizer, recording, gradients, params, norm_type)
+    undo_staged = _recording_staged(staged)
+    try:
+        fork = stage3_grad_norm.get_grad_norm_direct(optimizer, recording, gradients, params, norm_type)
+    finally:
+        undo_staged()
     stock = upstream(optimizer, gradients, params, norm_type)
-    return {"equal": torch.equal(fork, stock), "norm": float(stock),
-            "same_objects": [got is given for got, given in zip(received[0], gradients)],
-            "dtypes": [str(got.dtype) for got in received[0]], "received": _received(received[0])}
+    result = {"equal": torch.equal(fork, stock) and fork.dtype == stock.dtype, "norm": float(stock),
+              "upstream_ran": bool(received),
+              "staged": staged}
+    if received:
+        result.update(same_objects=[got is given for got, given in zip(received[0], gradients)],
+                      dtypes=[str(got.dtype) for got in received[0]], received=_received(received[0]))
+    return result
 
 
-def test_gradients_it_cannot_stage_are_left_to_upstream():
+def _assert_the_two_small_ones_staged(staged):
+    # the two small ones staged (the budget leaves the four of 200 to the norm's own casts), in one buffer
+    assert [staged[index][0] for index in range(9)] == ["torch.float64"] + ["torch.float32"] * 3 + \
+        ["torch.float64"] * 2 + ["torch.float32"] * 3, staged
+    copies = [staged[index] for index in (0, 5)]
+    assert copies[0][2] == copies[1][2] and [offset for _, offset, _, _ in copies] == [0, ALIGNMENT_BYTES]
+
+
+def test_the_fork_computes_the_2_norm_of_gradients_it_cannot_stage():
     result = run_distributed(1, mixed_gradients_case, 2)[0]
     assert result["equal"] and result["norm"] > 0
-    # the two small ones staged (the budget leaves the four of 200 to upstream); the strided, the 2-D and
-    # the fp64 gradient as they were
+    if fork_disabled():
+        return
+    assert not result["upstream_ran"]
+    assert len(result["staged"]) == 1
+    _assert_the_two_small_ones_staged(result["staged"][0])
+
+
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_an_inf_or_nan_2_norm_is_minus_one_as_upstreams(poison):
+    result = run_distributed(1, mixed_gradients_case, 2, False, poison)[0]
+    assert result["equal"] and result["norm"] == -1.0
+    assert fork_disabled() or not result["upstream_ran"]
+
+
+@pytest.mark.parametrize("norm_type,model_parallel", [(3, False), (2, True)])
+def test_upstream_computes_other_norms_and_model_parallel_ones_on_the_copies(norm_type, model_parallel):
+    result = run_distributed(1, mixed_gradients_case, norm_type, model_parallel)[0]
+    assert result["equal"] and result["norm"] > 0
+    if fork_disabled():
+        return
+    assert result["upstream_ran"]
+    # the strided, the 2-D and the fp64 gradient as they were; the two small ones staged
     assert result["same_objects"] == [False, True, True, True, True, False, True, True, True], result
-    assert result["dtypes"] == ["torch.float64"] + ["torch.float32"] * 3 + ["torch.float64"] * 2 + \
-        ["torch.float32"] * 3
-    staged = [result["received"][index] for index in (0, 5)]
-    assert staged[0][2] == staged[1][2] and [offset for _, offset, _, _ in staged] == [0, ALIGNMENT_BYTES]
+    _assert_the_two_small_ones_staged(result["received"])
 
 
 def test_the_inf_norm_is_upstreams_alone():
     result = run_distributed(1, mixed_gradients_case, float("inf"))[0]
-    assert result["equal"] and result["same_objects"] == [True] * 9
+    assert result["equal"]
+    if not fork_disabled():
+        assert result["upstream_ran"] and result["same_objects"] == [True] * 9 and result["staged"] == []
