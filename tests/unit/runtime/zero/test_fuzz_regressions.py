@@ -81,7 +81,7 @@ FIXED = {
     # A slot lives as long as its call's graph (invocation_lifecycle's [Several forwards before a backward]).
     "two_forwards_summed_before_one_backward": TWO_FORWARDS_SUMMED,
     "no_grad_forward_between_forward_and_backward": NO_GRAD_FORWARD_BEFORE_BACKWARD,
-    # One wrapper per distinct tensor (parameter_offload's [What a module's forward sees]).
+    # One wrapper per distinct tensor (backward_boundaries' [What a module's forward sees]).
     "self_attention_under_non_reentrant_checkpoint": SELF_ATTENTION_NON_REENTRANT,
     # A param the getter gathers is held by the running call (coordinator's [Params the getter gathers]).
     "drain_after_self_attention_without_backward": DRAIN_AFTER_SELF_ATTENTION_WITHOUT_BACKWARD,
@@ -93,7 +93,7 @@ FIXED = {
     "nested_non_reentrant_checkpoints_strict_budget": NESTED_NON_REENTRANT_STRICT,
     # A user's leaf inside a unit keeps the optimizer's leaf reduction (invocation_lifecycle's [Gather units]).
     "experts_leaf_inside_a_gather_unit": EXPERTS_LEAF_INSIDE_A_UNIT,
-    # A slot waits only for the gradients its backward computes (parameter_offload's
+    # A slot waits only for the gradients its backward computes (backward_boundaries'
     # [Gradients a backward will not compute]).
     "experts_not_run_in_a_unit_whose_input_needs_no_grad": EXPERTS_NOT_RUN_IN_A_UNIT_WITHOUT_INPUT_GRAD,
     # A later fetch reuses what its own gather set holds, not the released unit's subtree
