@@ -84,7 +84,7 @@ class ModuleInvocationHooks:
         self._slots_awaiting_grad = {}
         self._unreachable_slots = []
         self._hooks_to_remove = []
-        self._grad_hooks = {}  # trainable param -> its post-accumulate-grad hook handle
+        self._grad_hooks = {}  # param a slot has waited for -> its post-accumulate-grad hook handle
         self._trainable_by_module = {}
         self._params_under = {}  # module -> the params of its subtree, as of the last registration
         self.borrow_reads = BorrowReads()
@@ -131,17 +131,29 @@ class ModuleInvocationHooks:
                         param.ds_z3_leaf_module = user_leaf
             else:
                 stack.extend(reversed(list(module.children())))
-            self._register_hooks(module, leaf)
+            self._register_hooks(module)
 
-    def _register_hooks(self, module, leaf):
+    def _register_hooks(self, module):
         offload = self.offload
         offload.forward_hooks.append(module.register_forward_pre_hook(self.pre_forward, with_kwargs=True))
         offload.forward_hooks.append(module.register_forward_hook(self.post_forward))
-        # A leaf's calls are the only ones inside it: it waits for the gradients of its whole subtree.
-        for param in module.parameters(recurse=leaf):
-            if param.requires_grad and param not in self._grad_hooks:
-                handle = self._grad_hooks[param] = param.register_post_accumulate_grad_hook(self._on_param_grad)
-                offload.backward_hooks.append(handle)
+
+    def _hook_grad_of(self, param):
+        """Give ``param`` the hook that tells the slots waiting for its gradient.
+
+        Note: [A param's gradient hook, registered when a slot first waits for it]
+            Only a call with no grad-requiring input waits for gradients (Note [When a call's
+            backward starts and ends] in backward_boundaries.py): in a LoRA model, the calls of
+            the first decoder layer, fed the frozen embedding's output. Every other trainable
+            param's hook would run once per backward for nothing: autograd calls into Python for
+            each, some 300 calls a step at 1.1B. So a param gets the hook when a slot first waits
+            for it, in the forward before the backward that computes its gradient, and keeps it.
+            The hook then runs after ZeRO-3's own gradient hook on that param instead of before
+            it; neither reads what the other changes (the slot's release partitions the param's
+            data, the reduction reads its gradient).
+        """
+        handle = self._grad_hooks[param] = param.register_post_accumulate_grad_hook(self._on_param_grad)
+        self.offload.backward_hooks.append(handle)
 
     # ------------------------------------------------------------------ forward hooks
     # Note: [The hooks run eagerly under torch.compile]
@@ -269,8 +281,11 @@ class ModuleInvocationHooks:
             slot.context = SlotContext()
             return slot
         slot.context = SlotContext(awaited_params=trainable)
+        grad_hooks = self._grad_hooks
         for param in trainable:
             self._slots_awaiting_grad.setdefault(param, []).append(slot)
+            if param not in grad_hooks:
+                self._hook_grad_of(param)
         return slot
 
     def _trainable_under(self, module):
