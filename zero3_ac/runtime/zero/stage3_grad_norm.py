@@ -32,20 +32,20 @@ Note: [The gradient norm without upstream's per-gradient loop]
     and ``Tensor.norm``, which reaches ``torch.linalg.vector_norm`` through two Python wrappers
     (``torch.functional.norm``): about ten Python calls around the one kernel.
 
-    Where every release from 0.18.5 to 0.19.8 computes the same thing, the fork runs the same
+    Where upstream's texts of the function all compute the same thing, the fork runs the same
     kernels itself, without the loop: each gradient's ``torch.linalg.vector_norm(g, 2.0)`` (what
     ``Tensor.norm(2)`` calls for a strided CPU or CUDA tensor) of its fp64 copy or its own fp64
     cast, ``torch.sum(torch.pow(torch.stack(norms), 2.0))``, the SUM all-reduce over the same
     group, the square root as ``** 0.5``, and -1.0 where the result is inf or nan, on the same
-    tensors in the same order: the same bits. The function's text changed twice in those releases
-    (the same from 0.18.5 to 0.19.2 and from 0.19.3 to 0.19.5; 0.19.3 all-reduces over the first
-    param's partition group, which must be every param's, and adds AutoEP's expert group; 0.19.8
-    adds the norm dtype and a model-parallel count), and every text computes the same thing when
-    the 2-norm is asked for, the norm dtype is fp64, there is no model-parallel group (every
-    gradient counts and nothing is all-reduced over model-parallel ranks), no param is an AutoEP
-    expert, and every gradient is on the current device (upstream would copy it there). Anything
-    else is upstream's function, given the copies. These facts and the group are taken once per
-    sub-group, with the copies' plan.
+    tensors in the same order: the same bits. Three texts were compared: one from 0.18.5 to
+    0.19.2, one from 0.19.3 to 0.19.5 (the all-reduce over the first param's partition group,
+    which must be every param's, and AutoEP's expert group added), and 0.19.8's (the norm dtype
+    and a model-parallel count added). They compute the same thing when the 2-norm is asked for,
+    the norm dtype is fp64, there is no model-parallel group (every gradient counts and nothing
+    is all-reduced over model-parallel ranks), no param is an AutoEP expert, and every gradient
+    is on the current device (upstream would copy it there). Anything else is upstream's
+    function, given the copies. These facts and the group are taken once per sub-group, with the
+    copies' plan.
 """
 
 import torch
