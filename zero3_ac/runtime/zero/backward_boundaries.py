@@ -101,7 +101,8 @@ class SlotContext:
         return False
 
     def reachable(self) -> bool:
-        """Whether a node that opens the slot is still alive (see parameter_offload.py [A slot lives as long as its graph])."""
+        """Whether a node that opens the slot is still alive (see parameter_offload.py [A slot lives as long
+        as its graph])."""
         return any(ref() is not None for ref in self.open_nodes)
 
     def await_only_computed_grads(self):

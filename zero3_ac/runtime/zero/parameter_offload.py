@@ -224,7 +224,8 @@ class ModuleInvocationHooks:
         return output
 
     def _open_slot_on_grad(self, slot, tensor, wrapped_by_id):
-        """Wrap one output tensor, once per distinct tensor (see backward_boundaries.py [What a module's forward sees])."""
+        """Wrap one output tensor, once per distinct tensor (see backward_boundaries.py [What a module's forward
+        sees])."""
         if not tensor.requires_grad:
             return tensor
         wrapped = wrapped_by_id.get(id(tensor))

@@ -2,8 +2,8 @@
 (``stage3_grad_norm``, Notes [The gradient norm's fp64 copies] and [The gradient norm without upstream's
 per-gradient loop]): every norm and every step are upstream's bit for bit; the norm's kernels get aligned
 views of one buffer for the gradients the plan stages and casts of the others; the buffer stays within the
-fp32 copy of the gradients that the step makes next; upstream's function runs only where its releases
-compute different things (another norm, a model-parallel group) or the gradients are not the plan's."""
+fp32 copy of the gradients that the step makes next; upstream's function runs only where its texts may
+compute different things (the inf norm, another p, a model-parallel group)."""
 
 import pytest
 import torch
