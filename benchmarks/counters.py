@@ -192,6 +192,10 @@ def measure_in_fresh_process(world_size=1):
     must not see an earlier model's caches); rank 0's counts."""
     from zero3_ac.utils.spawn import MASTER_ADDR, free_port
     env = {**os.environ, "MASTER_ADDR": MASTER_ADDR, "MASTER_PORT": str(free_port())}
+    # The CPU comm op is built per DeepSpeed release (scripts/setup_env.sh's directory): one built by another
+    # release's sources, in torch's shared default directory, fails to load here.
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(HERE), ".cache", "torch_extensions",
+                                                        "ds-" + importlib.metadata.version("deepspeed")))
     ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--measure-here", "--rank", str(rank),
                                "--world-size", str(world_size)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in range(world_size)]
